@@ -1,0 +1,16 @@
+"""kparallax: sparsity-aware data-parallel training of unchanged tf.keras models (Parallax for TF2).
+
+Public API::
+
+    kp.Cluster          who is PS / worker (from kparallax-run's environment, TF_CONFIG or arguments)
+    kp.HybridStrategy   dense variables allreduced with Horovod, embedding tables on shared PS tasks
+    kp.callbacks        Keras callbacks (Throughput; the ones fit adds itself)
+"""
+
+from kparallax import _compat  # noqa: F401  (checks the Keras version first)
+from kparallax import callbacks
+from kparallax.cluster import Cluster
+from kparallax.strategy import HybridStrategy
+
+__version__ = "0.1.0"
+__all__ = ["Cluster", "HybridStrategy", "callbacks", "__version__"]

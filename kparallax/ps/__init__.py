@@ -1,0 +1,1 @@
+"""Parameter-server side of kparallax: the server process, shared variables and sparse aggregation."""

@@ -1,0 +1,106 @@
+"""Joins this worker process to the cluster: connects to the PS tasks, then initializes Horovod.
+
+Facts this module is built on (see shared notes): a worker must connect with a cluster view of the PS tasks
+plus itself only (listing the other workers hangs); simultaneous first connects can crash a PS, so the first
+connection and first PS op are serialized across workers; an unreachable PS must fail fast, never hang.
+"""
+
+import contextlib
+import fcntl
+import os
+import socket
+import time
+
+import horovod.tensorflow as hvd
+import portpicker
+import tensorflow as tf
+from absl import logging
+
+from kparallax import _compat
+
+_STATE = {"connected_to": None}
+
+
+def _probe(address, timeout):
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return None
+    except OSError as e:
+        return e
+
+
+def wait_reachable(cluster, timeout):
+    """Waits until every PS task accepts TCP connections; raises ConnectionError naming the first that does not."""
+    deadline = time.monotonic() + timeout
+    for i, address in enumerate(cluster.ps):
+        while True:
+            error = _probe(address, timeout=min(2.0, timeout))
+            if error is None:
+                break
+            if time.monotonic() > deadline:
+                raise ConnectionError(
+                    f"Parameter server ps[{i}] at {address} is not reachable after {timeout:.0f} s ({error}). "
+                    "Check that the PS task is running and that the address is right. "
+                    f"Received: ps={list(cluster.ps)}.")
+            time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def _serialized(path):
+    if not path:
+        yield
+        return
+    with open(path, "a+", encoding="utf-8") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _own_address(cluster):
+    address = cluster.workers[cluster.task_index]
+    if address.endswith(":0"):
+        address = f"localhost:{portpicker.pick_unused_port()}"
+    return address
+
+
+def connect(cluster, connect_timeout=30.0):
+    """Connects this worker to the PS tasks (if any) and initializes Horovod. Idempotent within a process."""
+    if cluster.task_type != "worker":
+        raise ValueError("Only worker tasks train; PS tasks run `python -m kparallax.ps`. "
+                         f"Received: task_type={cluster.task_type!r}.")
+    key = (cluster.ps, cluster.workers, cluster.task_index)
+    if _STATE["connected_to"] is not None and _STATE["connected_to"] != key:
+        raise RuntimeError("This process is already connected to another cluster; TensorFlow allows one per "
+                           f"process. Received: {cluster}.")
+    if cluster.ps and _STATE["connected_to"] is None:
+        wait_reachable(cluster, connect_timeout)
+        spec = tf.train.ClusterSpec({"ps": list(cluster.ps), "worker": {cluster.task_index: _own_address(cluster)}})
+        with _serialized(cluster.connect_lock):
+            tf.config.experimental_connect_to_cluster(spec, job_name="worker", task_index=cluster.task_index,
+                                                      protocol="grpc")
+            for i in range(cluster.num_ps):  # first op on each PS, still under the lock
+                with tf.device(cluster.ps_device(i)):
+                    tf.identity(tf.constant(0)).numpy()
+            _compat.async_wait()
+        logging.info("worker %d connected to %d PS task(s): %s", cluster.task_index, cluster.num_ps,
+                     ", ".join(cluster.ps))
+    _STATE["connected_to"] = key
+    hvd.init()
+    if hvd.size() != cluster.num_workers:
+        raise ValueError(
+            f"Horovod reports {hvd.size()} worker process(es) but the cluster lists {cluster.num_workers}. "
+            "Start workers with kparallax-run (or horovodrun with as many processes as cluster workers). "
+            f"Received: workers={list(cluster.workers)}, HOROVOD_SIZE={os.environ.get('HOROVOD_SIZE')}.")
+    if hvd.size() > 1:
+        indices = hvd.allgather_object(cluster.task_index, name="kp_worker_indices")
+        duplicates = sorted({i for i in indices if indices.count(i) > 1})
+        if duplicates:
+            raise ValueError(
+                f"Two or more workers claim the same index {duplicates[0]}: each worker needs its own task index "
+                f"(0..{cluster.num_workers - 1}). Received: task indices by Horovod rank {indices}.")
+    if hvd.rank() != cluster.task_index:
+        raise ValueError(f"Worker task_index must equal its Horovod rank. Received: task_index="
+                         f"{cluster.task_index}, Horovod rank={hvd.rank()}.")

@@ -1,0 +1,128 @@
+"""Model.compile / fit / evaluate / predict under a HybridStrategy.
+
+``install()`` wraps these four ``tf.keras.Model`` methods once. A model compiled inside ``strategy.scope()``
+remembers its strategy; for every other model the wrappers call Keras unchanged.
+
+Under a strategy:
+  * ``compile`` wraps the optimizer (``kparallax.optimizer``); ``jit_compile=True`` is refused.
+  * ``fit`` shards the training data per worker (``kparallax.data``), runs inside the strategy's scope, adds the
+    callbacks that synchronize replicated weights at the start and average logged metrics over workers, and
+    shows the progress bar on worker 0 only. ``validation_split`` takes the last fraction of the full arrays.
+  * ``evaluate`` / ``predict`` (and ``fit``'s validation) run on the full input on every worker, so their
+    results are exact and identical everywhere; only worker 0 prints.
+"""
+
+import contextlib
+import functools
+import inspect
+import threading
+
+from kparallax import _compat
+from kparallax import callbacks as kp_callbacks
+from kparallax import data as data_lib
+
+_LOCAL = threading.local()
+_ORIGINAL = {}
+_ATTR = "_kparallax_strategy"
+
+
+def current_strategy():
+    """The strategy whose ``scope()`` is active in this thread, or None."""
+    stack = getattr(_LOCAL, "stack", None)
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def active(strategy):
+    stack = getattr(_LOCAL, "stack", None)
+    if stack is None:
+        stack = _LOCAL.stack = []
+    stack.append(strategy)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _bind(name, model, args, kwargs):
+    bound = inspect.signature(_ORIGINAL[name]).bind(model, *args, **kwargs)
+    bound.apply_defaults()
+    return bound
+
+
+def _call(name, bound):
+    return _ORIGINAL[name](*bound.args, **bound.kwargs)
+
+
+def _compile(model, *args, **kwargs):
+    strategy = current_strategy()
+    if strategy is None:
+        model.__dict__.pop(_ATTR, None)
+        return _ORIGINAL["compile"](model, *args, **kwargs)
+    bound = _bind("compile", model, args, kwargs)
+    if bound.arguments.get("jit_compile"):
+        raise ValueError("jit_compile=True is not supported under HybridStrategy (XLA cannot compile the remote "
+                         "PS ops of a training step). Received: jit_compile=True. Leave it unset or False.")
+    bound.arguments["optimizer"] = strategy.make_optimizer(bound.arguments["optimizer"])
+    model.__dict__[_ATTR] = strategy
+    return _call("compile", bound)
+
+
+def _fit(model, *args, **kwargs):
+    strategy = model.__dict__.get(_ATTR)
+    if strategy is None:
+        return _ORIGINAL["fit"](model, *args, **kwargs)
+    bound = _bind("fit", model, args, kwargs)
+    a = bound.arguments
+    n, index = strategy.num_workers, strategy.worker_index
+    data_lib.check_supported(a["x"])
+    if data_lib.is_dataset(a["x"]):
+        a["x"] = data_lib.shard_dataset(a["x"], n, index, a["steps_per_epoch"])
+    else:
+        arrays = (a["x"], a["y"], a["sample_weight"])
+        if a["validation_split"] and a["validation_data"] is None:
+            arrays, a["validation_data"] = _compat.train_validation_split(arrays, a["validation_split"])
+            a["validation_split"] = 0.0
+        a["x"], a["y"], a["sample_weight"] = data_lib.shard_arrays(arrays, n, index)
+    user_callbacks = list(a["callbacks"] or [])
+    ours = [kp_callbacks.SyncReplicatedVariables(strategy), kp_callbacks.AverageMetrics(strategy)]
+    if not strategy.is_chief:
+        a["verbose"] = 0
+    elif a["verbose"] != 0:
+        ours.append(_compat.progbar_logger())
+    a["callbacks"] = ours + user_callbacks
+    with strategy.scope():
+        return _call("fit", bound)
+
+
+def _run_quietly_on_workers(name, model, *args, **kwargs):
+    strategy = model.__dict__.get(_ATTR)
+    if strategy is None:
+        return _ORIGINAL[name](model, *args, **kwargs)
+    bound = _bind(name, model, args, kwargs)
+    if not strategy.is_chief:
+        bound.arguments["verbose"] = 0
+    with strategy.scope():
+        return _call(name, bound)
+
+
+def install():
+    """Wraps tf.keras.Model.compile/fit/evaluate/predict once (idempotent)."""
+    if _ORIGINAL:
+        return
+    model_cls = _compat.KerasModel
+    replacements = {
+        "compile": _compile,
+        "fit": _fit,
+        "evaluate": functools.partial(_run_quietly_on_workers, "evaluate"),
+        "predict": functools.partial(_run_quietly_on_workers, "predict"),
+    }
+    for name, replacement in replacements.items():
+        original = getattr(model_cls, name)
+        _ORIGINAL[name] = original
+
+        @functools.wraps(original)
+        def method(self, *args, _replacement=replacement, **kwargs):
+            return _replacement(self, *args, **kwargs)
+
+        setattr(model_cls, name, method)

@@ -1,0 +1,20 @@
+"""kparallax: sparsity-aware data-parallel training of tf.keras models (Parallax for TensorFlow 2)."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="kparallax",
+    version="0.1.0",
+    description="Hybrid allreduce + parameter-server training of unchanged tf.keras models",
+    packages=find_packages(include=["kparallax", "kparallax.*"]),
+    python_requires=">=3.11,<3.12",
+    install_requires=[
+        "tensorflow-cpu==2.15.1",
+        "horovod==0.28.1",
+        "absl-py",
+        "tensorboard",
+        "portpicker",
+    ],
+    extras_require={"test": ["pytest", "pytest-timeout"]},
+    entry_points={"console_scripts": ["kparallax-run=kparallax.launch:main"]},
+)
