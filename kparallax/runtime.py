@@ -71,6 +71,12 @@ def connect(cluster, connect_timeout=30.0):
     if cluster.task_type != "worker":
         raise ValueError("Only worker tasks train; PS tasks run `python -m kparallax.ps`. "
                          f"Received: task_type={cluster.task_type!r}.")
+    launcher_rank = os.environ.get("HOROVOD_RANK")
+    if launcher_rank is not None and launcher_rank.isdigit() and int(launcher_rank) != cluster.task_index:
+        raise ValueError(
+            f"Worker task_index must equal its Horovod rank, or two workers end up with the same index (this one "
+            f"claims index {cluster.task_index}, which belongs to rank {cluster.task_index}). Received: task_index="
+            f"{cluster.task_index}, HOROVOD_RANK={launcher_rank}. Let kparallax-run set KPARALLAX_TASK_INDEX.")
     key = (cluster.ps, cluster.workers, cluster.task_index)
     if _STATE["connected_to"] is not None and _STATE["connected_to"] != key:
         raise RuntimeError("This process is already connected to another cluster; TensorFlow allows one per "

@@ -59,6 +59,8 @@ class HybridStrategy:
         for name, value in (("connect_timeout", connect_timeout), ("init_timeout", init_timeout)):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds. Received: {name}={value!r}.")
+        if logging.get_verbosity() < logging.INFO:  # absl's default outside app.run is WARNING
+            logging.set_verbosity(logging.INFO)
         self._cluster = cluster
         self._placement = placement_lib.Placement(placement, cluster.num_ps)
         self._average_sparse = average_sparse

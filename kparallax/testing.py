@@ -1,0 +1,53 @@
+"""Helpers for tests that run real clusters: kparallax-run under a timeout, with the stalled task's log on failure."""
+
+import dataclasses
+import glob
+import os
+import subprocess
+import sys
+
+NOISE = ("oneDNN custom operations", "cpu_feature_guard", "AVX2 AVX512", "rebuild TensorFlow with",
+         "kernel_and_device.cc", "grpc_server_lib.cc")
+
+
+@dataclasses.dataclass
+class RunResult:
+    returncode: int
+    output: str
+    log_dir: str
+
+    def logs(self):
+        """Every task's log, noise removed, keyed by file name (``worker-0.log``...)."""
+        result = {}
+        for path in sorted(glob.glob(os.path.join(self.log_dir, "*.log"))):
+            with open(path, encoding="utf-8", errors="replace") as f:
+                result[os.path.basename(path)] = "\n".join(
+                    line for line in f.read().splitlines() if not any(n in line for n in NOISE))
+        return result
+
+    def report(self):
+        parts = [f"exit code {self.returncode}", "launcher output:", _clean(self.output)]
+        for name, text in self.logs().items():
+            parts += [f"--- {name} (last 40 lines)", "\n".join(text.splitlines()[-40:])]
+        return "\n".join(parts)
+
+
+def _clean(text):
+    return "\n".join(line for line in text.splitlines() if not any(n in line for n in NOISE))
+
+
+def run_local(command, log_dir, workers=2, ps=1, timeout=240.0, env=None):
+    """Runs ``kparallax-run --workers W --ps P -- command`` with a hard timeout; returns a RunResult.
+
+    The launcher's own ``--timeout`` stops the tasks and names the ones still running; the subprocess timeout
+    (a minute longer) guards against the launcher itself hanging.
+    """
+    argv = [sys.executable, "-m", "kparallax.launch", "--workers", str(workers), "--ps", str(ps),
+            "--log_dir", log_dir, "--timeout", str(timeout), "--quiet", "--"] + list(command)
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout + 60,
+                              env=dict(os.environ, **(env or {})), check=False)
+        return RunResult(done.returncode, done.stdout + done.stderr, log_dir)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return RunResult(-1, f"kparallax-run itself did not exit within {timeout + 60:.0f}s\n{out}", log_dir)

@@ -1,0 +1,40 @@
+"""Model, data, initial weights and optimizers shared by the equivalence programs. Never imports kparallax."""
+
+import numpy as np
+import tensorflow as tf
+
+VOCAB, EMB, LEN = 1000, 8, 6
+PER_WORKER_BATCH, WORKERS, STEPS = 16, 2, 12
+
+OPTIMIZERS = {
+    "sgd": lambda: tf.keras.optimizers.SGD(0.1),
+    "momentum": lambda: tf.keras.optimizers.SGD(0.2, momentum=0.9),
+    "adagrad": lambda: tf.keras.optimizers.Adagrad(0.3),
+    "adam": lambda: tf.keras.optimizers.Adam(0.01),
+    "adam_string": lambda: "adam",
+    "legacy_momentum": lambda: tf.keras.optimizers.legacy.SGD(0.2, momentum=0.9),
+    "legacy_adam": lambda: tf.keras.optimizers.legacy.Adam(0.01),
+}
+
+
+def data():
+    """Token ids with many repeats (within and across workers' batches) and a regression target."""
+    rng = np.random.default_rng(1234)
+    n = PER_WORKER_BATCH * WORKERS * STEPS
+    ids = np.minimum(rng.zipf(1.5, size=(n, LEN)) - 1, VOCAB - 1).astype(np.int32)
+    y = rng.normal(size=(n, 1)).astype(np.float32)
+    return ids, y
+
+
+def build_model(name):
+    inputs = tf.keras.Input(shape=(LEN,), dtype=tf.int32)
+    x = tf.keras.layers.Embedding(VOCAB, EMB, name=f"{name}_embedding")(inputs)   # [batch, LEN, EMB]
+    x = tf.keras.layers.Flatten()(x)                                              # [batch, LEN*EMB]
+    x = tf.keras.layers.Dense(16, activation="tanh", name=f"{name}_hidden")(x)
+    outputs = tf.keras.layers.Dense(1, name=f"{name}_out")(x)
+    return tf.keras.Model(inputs, outputs, name=name)
+
+
+def initial_weights(model):
+    rng = np.random.default_rng(99)
+    return [rng.normal(scale=0.3, size=w.shape).astype(np.float32) for w in model.get_weights()]

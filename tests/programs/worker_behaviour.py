@@ -1,0 +1,20 @@
+"""Worker program for launcher tests. Usage: worker_behaviour.py MODE (fail_rank1 | same_index | ok)"""
+
+import os
+import sys
+
+mode = sys.argv[1]
+if mode == "fail_rank1" and os.environ.get("KPARALLAX_TASK_INDEX") == "1":
+    print("worker 1 failing on purpose", flush=True)
+    sys.exit(3)
+if mode == "same_index":
+    os.environ["KPARALLAX_TASK_INDEX"] = "0"  # both workers claim index 0
+
+import kparallax as kp  # noqa: E402
+
+try:
+    strategy = kp.HybridStrategy(kp.Cluster.from_env())
+except (ValueError, ConnectionError) as e:
+    print(f"kparallax error: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
+print(f"worker {strategy.worker_index} of {strategy.num_workers} ok", flush=True)

@@ -1,0 +1,82 @@
+"""Tier 3: kparallax-run with real PS tasks and Horovod workers; failures are fast and name the task."""
+
+import os
+import subprocess
+import sys
+import time
+
+import portpicker
+import pytest
+
+from kparallax import testing
+
+PROGRAMS = os.path.join(os.path.dirname(__file__), "programs")
+
+
+def _processes_of_run(log_dir):
+    """PIDs of live processes started for the run whose logs are in ``log_dir``."""
+    pids = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"KPARALLAX_LOG_DIR={log_dir}".encode() in f.read():
+                    pids.append(int(pid))
+        except OSError:
+            pass
+    return pids
+
+
+@pytest.mark.multiprocess
+def test_successful_run_stops_ps_and_exits_zero(tmp_path):
+    run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "worker_behaviour.py"), "ok"],
+                            log_dir=str(tmp_path), workers=2, ps=1, timeout=120)
+    assert run.returncode == 0, run.report()
+    logs = run.logs()
+    assert "worker 0 of 2 ok" in logs["worker-0.log"] and "worker 1 of 2 ok" in logs["worker-1.log"]
+    assert "stopping" in logs["ps-0.log"]
+    assert os.path.exists(tmp_path / "cluster.json")
+    assert _processes_of_run(str(tmp_path)) == []
+
+
+@pytest.mark.multiprocess
+def test_failing_worker_ends_the_run_with_its_code(tmp_path):
+    start = time.monotonic()
+    run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "worker_behaviour.py"), "fail_rank1"],
+                            log_dir=str(tmp_path), workers=2, ps=1, timeout=120)
+    assert run.returncode == 3, run.report()
+    assert "worker 1 failed with exit code 3" in run.output
+    assert "worker 1 failing on purpose" in run.output  # the failing task's log tail is shown
+    assert time.monotonic() - start < 60
+    assert _processes_of_run(str(tmp_path)) == []
+
+
+@pytest.mark.multiprocess
+def test_two_workers_with_the_same_index(tmp_path):
+    run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "worker_behaviour.py"), "same_index"],
+                            log_dir=str(tmp_path), workers=2, ps=1, timeout=120)
+    assert run.returncode == 2, run.report()
+    assert "two workers end up with the same index" in run.output and "HOROVOD_RANK=1" in run.output, run.report()
+
+
+@pytest.mark.multiprocess
+def test_unreachable_ps_fails_within_30s_naming_the_address():
+    port = portpicker.pick_unused_port()  # nothing listens there
+    env = dict(os.environ, KPARALLAX_PS_HOSTS=f"127.0.0.1:{port}", KPARALLAX_WORKER_HOSTS="127.0.0.1:1",
+               KPARALLAX_TASK_INDEX="0")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, os.path.join(PROGRAMS, "worker_behaviour.py"), "ok"], env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    elapsed = time.monotonic() - start
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"Parameter server ps[0] at 127.0.0.1:{port} is not reachable after 30 s" in done.stderr
+    assert elapsed < 45  # 30 s budget plus interpreter and TensorFlow start-up
+
+
+def test_launcher_rejects_bad_flags():
+    for argv, message in ((["--workers", "0", "--", "true"], "--workers must be >= 1. Received: --workers=0"),
+                          (["--workers", "2"], "no training command")):
+        done = subprocess.run([sys.executable, "-m", "kparallax.launch"] + argv, capture_output=True, text=True,
+                              timeout=60, check=False)
+        assert done.returncode == 2 and message in done.stderr, done.stderr

@@ -1,0 +1,85 @@
+"""Tier 1: one process, Horovod size 1, no PS task."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kparallax as kp
+
+
+@pytest.fixture(scope="module")
+def strategy():
+    return kp.HybridStrategy(kp.Cluster.local())
+
+
+def _dense_model():
+    inputs = tf.keras.Input(shape=(4,))
+    return tf.keras.Model(inputs, tf.keras.layers.Dense(1)(tf.keras.layers.Dense(8, activation="relu")(inputs)))
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(64, 4)).astype(np.float32), rng.normal(size=(64, 1)).astype(np.float32)
+
+
+def test_properties(strategy):
+    assert (strategy.num_workers, strategy.worker_index, strategy.is_chief) == (1, 0, True)
+
+
+def test_dense_model_trains_like_plain_keras(strategy):
+    x, y = _data()
+    plain = _dense_model()
+    init = [np.full(w.shape, 0.1 * (i + 1), np.float32) for i, w in enumerate(plain.get_weights())]
+    plain.set_weights(init)
+    plain.compile(optimizer=tf.keras.optimizers.Adam(0.01), loss="mse")
+    plain_loss = plain.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history["loss"]
+    with strategy.scope():
+        model = _dense_model()
+        model.set_weights(init)
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.01), loss="mse")
+    loss = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history["loss"]
+    np.testing.assert_allclose(loss, plain_loss, rtol=1e-6)
+    for a, b in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert not strategy.is_ps_variable(model.trainable_variables[0])
+    assert model.evaluate(x, y, verbose=0) == pytest.approx(plain.evaluate(x, y, verbose=0), rel=1e-6)
+    assert model.predict(x, verbose=0).shape == (64, 1)
+
+
+def test_models_outside_the_scope_are_untouched(strategy):
+    model = _dense_model()
+    model.compile(optimizer="sgd", loss="mse")
+    assert "_kparallax_strategy" not in model.__dict__
+    assert type(model.optimizer) is tf.keras.optimizers.SGD
+
+
+def test_embedding_without_ps_is_a_clear_error(strategy):
+    with strategy.scope():
+        with pytest.raises(ValueError, match=r"must live on a parameter server .*Received: num_ps=0"):
+            tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Embedding(100, 4)])
+
+
+@pytest.mark.parametrize("optimizer, match", [
+    ("adamm", r"Unknown optimizer 'adamm'.*Received: optimizer='adamm'"),
+    (object(), r"supports tf.keras optimizers .*Received: object"),
+    (tf.keras.optimizers.Adam(global_clipnorm=1.0), r"global_clipnorm is not supported yet"),
+])
+def test_bad_optimizers(strategy, optimizer, match):
+    with strategy.scope():
+        model = _dense_model()
+        with pytest.raises((ValueError, TypeError), match=match):
+            model.compile(optimizer=optimizer, loss="mse")
+
+
+def test_jit_compile_is_refused(strategy):
+    with strategy.scope():
+        model = _dense_model()
+        with pytest.raises(ValueError, match="jit_compile=True is not supported"):
+            model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+
+
+def test_bad_strategy_arguments():
+    with pytest.raises(TypeError, match="cluster must be a kparallax.Cluster"):
+        kp.HybridStrategy({"ps": []})
+    with pytest.raises(ValueError, match=r"connect_timeout must be > 0 seconds. Received: connect_timeout=0"):
+        kp.HybridStrategy(kp.Cluster.local(), connect_timeout=0)
