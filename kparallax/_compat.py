@@ -87,7 +87,7 @@ def global_clipnorm(optimizer):
     return getattr(optimizer, "global_clipnorm", None)
 
 
-def hidden_layer_of_frame(max_depth=40):
+def embedding_being_built(max_depth=40):
     """Returns the Embedding layer whose ``build``/``add_weight`` is on the call stack, or None."""
     frame = sys._getframe(1)  # pylint: disable=protected-access
     depth = 0
@@ -100,11 +100,7 @@ def hidden_layer_of_frame(max_depth=40):
     return None
 
 
-def tf_version():
-    return tf.__version__
-
-
-def set_keras_logs_verbosity_env():
+def quiet_tensorflow_cpp_logs():
     """Keeps TensorFlow's C++ logging quiet unless the user asked otherwise."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 

@@ -109,7 +109,7 @@ class HybridStrategy:
             value = initial_value() if callable(initial_value) else initial_value
             shape, initial_value = tf.convert_to_tensor(value).shape, value
         shape = tf.TensorShape(shape)
-        embedding = _compat.hidden_layer_of_frame() is not None
+        embedding = _compat.embedding_being_built() is not None
         decision = self._placement.decide(path, int(np.prod(shape.as_list())), embedding)
         if decision.where == placement_lib.REPLICATED:
             variable = next_creator(**kwargs)

@@ -83,3 +83,13 @@ def test_bad_strategy_arguments():
         kp.HybridStrategy({"ps": []})
     with pytest.raises(ValueError, match=r"connect_timeout must be > 0 seconds. Received: connect_timeout=0"):
         kp.HybridStrategy(kp.Cluster.local(), connect_timeout=0)
+
+
+def test_throughput_callback_reports_a_rate(strategy):
+    x, y = _data()
+    with strategy.scope():
+        model = _dense_model()
+        model.compile(optimizer="sgd", loss="mse")
+    history = model.fit(x, y, batch_size=8, epochs=1, verbose=0,
+                        callbacks=[kp.callbacks.Throughput(global_batch_size=8, skip_steps=2)])
+    assert history.history["samples_per_sec"][0] > 0

@@ -11,7 +11,7 @@ import time
 from kparallax import _compat
 from kparallax import _proc
 
-_compat.set_keras_logs_verbosity_env()
+_compat.quiet_tensorflow_cpp_logs()
 
 
 def main():
