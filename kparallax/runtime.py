@@ -66,17 +66,22 @@ def _own_address(cluster):
     return address
 
 
+def _check_index_is_rank(cluster, rank, source):
+    """A worker's task index must be its Horovod rank; ranks are unique, so this also rules out duplicate indices."""
+    if rank != cluster.task_index:
+        raise ValueError(
+            f"Worker task_index must equal its Horovod rank, or two workers end up with the same index. "
+            f"Received: task_index={cluster.task_index}, {source}={rank}. Let kparallax-run set KPARALLAX_TASK_INDEX.")
+
+
 def connect(cluster, connect_timeout=30.0):
     """Connects this worker to the PS tasks (if any) and initializes Horovod. Idempotent within a process."""
     if cluster.task_type != "worker":
         raise ValueError("Only worker tasks train; PS tasks run `python -m kparallax.ps`. "
                          f"Received: task_type={cluster.task_type!r}.")
-    launcher_rank = os.environ.get("HOROVOD_RANK")
-    if launcher_rank is not None and launcher_rank.isdigit() and int(launcher_rank) != cluster.task_index:
-        raise ValueError(
-            f"Worker task_index must equal its Horovod rank, or two workers end up with the same index (this one "
-            f"claims index {cluster.task_index}, which belongs to rank {cluster.task_index}). Received: task_index="
-            f"{cluster.task_index}, HOROVOD_RANK={launcher_rank}. Let kparallax-run set KPARALLAX_TASK_INDEX.")
+    launcher_rank = os.environ.get("HOROVOD_RANK", "")
+    if launcher_rank.isdigit():  # checked before connecting: two workers with one index crash TensorFlow
+        _check_index_is_rank(cluster, int(launcher_rank), "HOROVOD_RANK")
     key = (cluster.ps, cluster.workers, cluster.task_index)
     if _STATE["connected_to"] is not None and _STATE["connected_to"] != key:
         raise RuntimeError("This process is already connected to another cluster; TensorFlow allows one per "
@@ -100,13 +105,4 @@ def connect(cluster, connect_timeout=30.0):
             f"Horovod reports {hvd.size()} worker process(es) but the cluster lists {cluster.num_workers}. "
             "Start workers with kparallax-run (or horovodrun with as many processes as cluster workers). "
             f"Received: workers={list(cluster.workers)}, HOROVOD_SIZE={os.environ.get('HOROVOD_SIZE')}.")
-    if hvd.size() > 1:
-        indices = hvd.allgather_object(cluster.task_index, name="kp_worker_indices")
-        duplicates = sorted({i for i in indices if indices.count(i) > 1})
-        if duplicates:
-            raise ValueError(
-                f"Two or more workers claim the same index {duplicates[0]}: each worker needs its own task index "
-                f"(0..{cluster.num_workers - 1}). Received: task indices by Horovod rank {indices}.")
-    if hvd.rank() != cluster.task_index:
-        raise ValueError(f"Worker task_index must equal its Horovod rank. Received: task_index="
-                         f"{cluster.task_index}, Horovod rank={hvd.rank()}.")
+    _check_index_is_rank(cluster, hvd.rank(), "Horovod rank")

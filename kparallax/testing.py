@@ -21,8 +21,7 @@ class RunResult:
         result = {}
         for path in sorted(glob.glob(os.path.join(self.log_dir, "*.log"))):
             with open(path, encoding="utf-8", errors="replace") as f:
-                result[os.path.basename(path)] = "\n".join(
-                    line for line in f.read().splitlines() if not any(n in line for n in NOISE))
+                result[os.path.basename(path)] = _clean(f.read())
         return result
 
     def report(self):
