@@ -9,6 +9,7 @@ import os
 import sys
 
 import tensorflow as tf
+from tensorflow.python.distribute import sharded_variable as _sharded
 from tensorflow.python.eager import context as _context
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import gen_resource_variable_ops as _gen_rv
@@ -21,6 +22,8 @@ if hasattr(tf.keras, "__version__") and tf.keras.__version__.startswith("3."):
         f"Received: tf.keras {tf.keras.__version__}. Horovod's Keras wrappers do not allreduce under Keras 3.")
 
 KerasModel = tf.keras.Model
+KerasLayer = tf.keras.layers.Layer
+ShardedVariable = _sharded.ShardedVariable  # Keras lists its shards as the layer's weights
 KerasEmbedding = tf.keras.layers.Embedding
 NewOptimizer = tf.keras.optimizers.Optimizer
 LegacyOptimizer = tf.keras.optimizers.legacy.Optimizer

@@ -24,6 +24,7 @@ import portpicker
 
 from kparallax import _proc
 from kparallax import cluster as cluster_lib
+from kparallax import options as options_lib
 
 GRACE_SECONDS = 10.0
 
@@ -43,13 +44,16 @@ class Task:
 def _parse(argv):
     parser = argparse.ArgumentParser(
         prog="kparallax-run", description="Start PS tasks and Horovod workers on this machine.",
-        usage="kparallax-run [--workers N] [--ps M] [--log_dir DIR] [--timeout S] -- command [args...]")
+        usage="kparallax-run [--workers N] [--ps M] [--architecture A] [--log_dir DIR] [--timeout S] -- command [args...]")
     parser.add_argument("--workers", "-np", type=int, default=2, help="number of worker processes (default 2)")
     parser.add_argument("--ps", type=int, default=1, help="number of parameter-server tasks (default 1)")
     parser.add_argument("--log_dir", default=None, help="directory for per-task logs (default kparallax-logs/<run>)")
     parser.add_argument("--run_id", default=None, help="name shared by the tasks of this run (default: random)")
     parser.add_argument("--timeout", type=float, default=0.0,
                         help="stop every task and fail if the run takes longer than this many seconds (0: never)")
+    parser.add_argument("--architecture", default=None, choices=options_lib.ARCHITECTURES,
+                        help="hybrid | allreduce | ps: sets $KPARALLAX_ARCHITECTURE, which HybridStrategy reads when "
+                             "its architecture argument is not given (default: the script's choice, else hybrid)")
     parser.add_argument("--quiet", action="store_true", help="do not stream worker 0's output to the terminal")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the training command, after --")
     args = parser.parse_args(argv)
@@ -171,6 +175,8 @@ def run(argv=None):
         cluster_lib.ENV_CONNECT_LOCK: cluster.connect_lock,
         cluster_lib.ENV_LOG_DIR: log_dir,
     })
+    if args.architecture:
+        base_env[options_lib.ARCHITECTURE_ENV] = args.architecture
     tasks, failure, interrupted = [], None, False
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 

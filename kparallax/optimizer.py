@@ -7,7 +7,10 @@ Horovod, then applies the dense update locally, exactly once per step on every w
 
 import tensorflow as tf
 
+from absl import logging
+
 from kparallax import _compat
+from kparallax import accumulation
 from kparallax import allreduce
 
 _KNOWN = ("sgd", "adam", "adagrad", "rmsprop", "adamax", "nadam", "adadelta", "ftrl", "adamw", "lion")
@@ -28,6 +31,44 @@ def resolve(optimizer):
     return optimizer
 
 
+class Router:
+    """Everything the routing optimizer of one compiled model needs.
+
+    Args:
+      options: the strategy's ``Options``.
+      num_workers: Horovod size.
+      is_ps_variable: callable(variable) -> bool.
+      aggregator: the ``SparseAggregator`` of PS variables.
+    """
+
+    def __init__(self, options, num_workers, is_ps_variable, aggregator):
+        self.options = options
+        self.num_workers = num_workers
+        self.is_ps_variable = is_ps_variable
+        self.aggregator = aggregator
+        self.accumulator = (accumulation.GradientAccumulator(options.backward_passes_per_step)
+                            if options.backward_passes_per_step > 1 else None)
+        self._logged = False
+
+    def split(self, grads_and_vars):
+        dense, ps = [], []
+        for grad, variable in grads_and_vars:
+            if grad is not None:
+                (ps if self.is_ps_variable(variable) else dense).append((grad, variable))
+        if not self._logged:
+            self._logged = True
+            effective = self.options.architecture
+            if effective == "hybrid" and not ps:
+                effective = "allreduce (the model has no PS variable)"
+            elif effective == "hybrid" and not dense:
+                effective = "ps (the model has no replicated trainable variable)"
+            logging.info("architecture: %s -> %s; %d variable(s) on PS, %d replicated; sync=%s, "
+                         "backward_passes_per_step=%d, compression=%s", self.options.architecture, effective,
+                         len(ps), len(dense), self.options.sync, self.options.backward_passes_per_step,
+                         self.options.compression)
+        return dense, ps
+
+
 class _RoutingMixin:
     """Mixed in front of the user's optimizer class; the router is set by ``wrap``."""
 
@@ -36,17 +77,25 @@ class _RoutingMixin:
     @tf.autograph.experimental.do_not_convert
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         router = self._kp_router
-        dense, sparse = [], []
-        for grad, variable in grads_and_vars:
-            if grad is None:
-                continue
-            (sparse if router.is_ps_variable(variable) else dense).append((grad, variable))
-        sparse_done = router.aggregator.push_and_apply(sparse)
+        dense, ps = router.split(list(grads_and_vars))
+        if router.accumulator is not None:
+            return router.accumulator.accumulate_then(
+                dense + ps, lambda averaged: self._kp_step(*router.split(averaged), args, kwargs))
+        return self._kp_step(dense, ps, args, kwargs)
+
+    def _kp_step(self, dense, ps, args, kwargs):
+        router = self._kp_router
+        ps_done = router.aggregator.push_and_apply(ps)
         if dense:
-            dense = allreduce.average_gradients(dense, router.num_workers, control_inputs=sparse_done)
+            dense = allreduce.average_gradients(dense, router.num_workers, control_inputs=ps_done,
+                                                compression=router.options.compression,
+                                                sparse_as_dense=router.options.sparse_as_dense)
             return super().apply_gradients(dense, *args, **kwargs)
-        token = allreduce.barrier(router.num_workers, control_inputs=sparse_done)
-        return self.iterations.assign_add(tf.cast(token, tf.int64) * 0 + 1)  # data edge: the barrier must run
+        if router.options.sync:
+            token = allreduce.barrier(router.num_workers, control_inputs=ps_done)
+            return self.iterations.assign_add(tf.cast(token, tf.int64) * 0 + 1)  # data edge: the barrier must run
+        with tf.control_dependencies(ps_done):
+            return self.iterations.assign_add(1)
 
 
 def wrap(optimizer, router):
@@ -54,7 +103,7 @@ def wrap(optimizer, router):
 
     Args:
       optimizer: a tf.keras optimizer instance (new or legacy).
-      router: object with ``is_ps_variable(v)``, ``aggregator`` and ``num_workers``.
+      router: the model's ``Router``.
     """
     base = type(optimizer)
     cls = type(base.__name__, (_RoutingMixin, base), {"__module__": base.__module__})

@@ -1,8 +1,10 @@
-"""Placement: which variables live on parameter-server tasks and which are replicated on every worker.
+"""Placement: which variables live on parameter-server tasks, in how many row shards, and which are replicated.
 
 Placement is data: a mapping from a regular expression over variable paths (``"embedding/embeddings"``) to
-``"ps"`` or ``"replicated"``. Built-in default: every ``tf.keras.layers.Embedding`` table goes to PS; every other
-variable is replicated. User rules override the default; a path matched by two user rules is an error.
+``"ps"``, ``"ps:P"`` (on PS, split row-wise into P shards) or ``"replicated"``. Defaults depend on the
+architecture: ``hybrid`` puts every ``tf.keras.layers.Embedding`` table on PS and replicates the rest; ``ps`` puts
+every trainable variable on PS; ``allreduce`` replicates everything (a rule mapping to PS is then an error).
+User rules override the default; a path matched by two user rules is an error.
 """
 
 import dataclasses
@@ -11,59 +13,113 @@ from typing import Mapping, Optional, Tuple
 
 PS = "ps"
 REPLICATED = "replicated"
-WHERE = (PS, REPLICATED)
+_RULE = re.compile(r"(ps|replicated)(?::([0-9]+))?")
 
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
-    where: str          # PS or REPLICATED
-    why: str            # human-readable reason, logged once per variable
-    ps_task: Optional[int] = None
+    where: str                      # PS or REPLICATED
+    why: str                        # human-readable reason, logged once per variable
+    ps_tasks: Tuple[int, ...] = ()  # one PS task per row shard (one entry: not partitioned)
+    rows: Tuple[int, ...] = ()      # rows of each shard
+    auto: bool = False              # the partition count may be changed by the partitions="auto" search
+
+    @property
+    def ps_task(self):
+        return self.ps_tasks[0] if self.ps_tasks else None
+
+
+def shard_rows(num_rows: int, partitions: int) -> Tuple[int, ...]:
+    """Row counts of ``partitions`` shards, the first ``num_rows % partitions`` one row larger ("div" split)."""
+    base, extra = divmod(num_rows, partitions)
+    return tuple(base + (1 if i < extra else 0) for i in range(partitions))
+
+
+def _parse_rule(pattern, value):
+    match = _RULE.fullmatch(value) if isinstance(value, str) else None
+    if not match or (match.group(2) is not None and (match.group(1) != PS or int(match.group(2)) < 1)):
+        raise ValueError(f"A placement rule maps to 'ps', 'ps:P' (P >= 1 row shards) or 'replicated'. "
+                         f"Received: {{{pattern!r}: {value!r}}}.")
+    return match.group(1), (int(match.group(2)) if match.group(2) else None)
 
 
 class Placement:
-    """Decides where each variable goes and, for PS variables, on which PS task.
+    """Decides where each variable goes and, for PS variables, its shards' PS tasks.
 
     Args:
-      rules: mapping from regex (``re.fullmatch`` against the variable path without ``:0``) to ``"ps"`` or
-        ``"replicated"``.
-      num_ps: number of PS tasks; PS variables are spread over them greedily by size (largest load first).
+      rules: mapping from regex (``re.fullmatch`` against the variable path without ``:0``) to ``"ps"``,
+        ``"ps:P"`` or ``"replicated"``.
+      num_ps: number of PS tasks; shards are spread over them greedily by size (least loaded first).
+      architecture: ``"hybrid"``, ``"allreduce"`` or ``"ps"``.
+      partitions: default shard count of embedding tables (int), or ``"auto"`` (start at ``num_ps`` shards).
     """
 
-    def __init__(self, rules: Optional[Mapping[str, str]] = None, num_ps: int = 0):
-        self._rules: Tuple[Tuple[str, "re.Pattern", str], ...] = ()
+    def __init__(self, rules: Optional[Mapping[str, str]] = None, num_ps: int = 0, architecture: str = "hybrid",
+                 partitions=1):
         compiled = []
-        for pattern, where in dict(rules or {}).items():
-            if where not in WHERE:
-                raise ValueError(f"A placement rule maps to one of {WHERE}. Received: {{{pattern!r}: {where!r}}}.")
+        for pattern, value in dict(rules or {}).items():
+            where, parts = _parse_rule(pattern, value)
+            if where == PS and architecture == "allreduce":
+                raise ValueError(f"architecture='allreduce' replicates every variable, so placement rule "
+                                 f"{pattern!r} -> {value!r} cannot be honoured. Received: {{{pattern!r}: {value!r}}}. "
+                                 "Use architecture='hybrid' or drop the rule.")
             try:
-                compiled.append((pattern, re.compile(pattern), where))
+                compiled.append((pattern, re.compile(pattern), where, parts))
             except re.error as e:
                 raise ValueError(f"Placement rule {pattern!r} is not a valid regular expression ({e}). "
                                  f"Received: {pattern!r}.") from None
         self._rules = tuple(compiled)
+        self._architecture = architecture
+        self._auto = partitions == "auto"
+        self._partitions = max(num_ps, 1) if self._auto else partitions
         self._ps_load = [0] * num_ps
 
-    def decide(self, path: str, num_elements: int, is_embedding: bool) -> Decision:
-        matches = [(p, w) for p, r, w in self._rules if r.fullmatch(path)]
+    def decide(self, path: str, shape, is_embedding: bool, trainable: bool = True) -> Decision:
+        """Returns the Decision for a variable of ``shape`` (a list of ints) at ``path``."""
+        matches = [(p, w, n) for p, r, w, n in self._rules if r.fullmatch(path)]
         if len(matches) > 1:
             raise ValueError(
                 f"Variable {path!r} matches two placement rules: {matches[0][0]!r} -> {matches[0][1]!r} and "
                 f"{matches[1][0]!r} -> {matches[1][1]!r}. Make the patterns disjoint. Received: rules="
-                f"{[p for p, _, _ in self._rules]}.")
+                f"{[p for p, _, _, _ in self._rules]}.")
+        parts, auto = None, False
         if matches:
-            where, why = matches[0][1], f"placement rule {matches[0][0]!r}"
+            where, why, parts = matches[0][1], f"placement rule {matches[0][0]!r}", matches[0][2]
+        elif self._architecture == "allreduce":
+            where, why = REPLICATED, "architecture 'allreduce'"
         elif is_embedding:
             where, why = PS, "tf.keras.layers.Embedding table (sparse gradient)"
+        elif self._architecture == "ps" and trainable:
+            where, why = PS, "architecture 'ps'"
         else:
-            where, why = REPLICATED, "dense variable (default)"
+            where, why = REPLICATED, "dense variable (default)" if trainable else "non-trainable variable"
         if where == REPLICATED:
             return Decision(REPLICATED, why)
         if not self._ps_load:
             raise ValueError(
                 f"Variable {path!r} must live on a parameter server ({why}), but the cluster has no PS task. "
-                "Received: num_ps=0. Start PS tasks (kparallax-run --ps 1 ...) or map it to 'replicated' with "
-                f"placement={{{path!r}: 'replicated'}}.")
+                "Received: num_ps=0. Start PS tasks (kparallax-run --ps 1 ...), use architecture='allreduce', or "
+                f"map it to 'replicated' with placement={{{path!r}: 'replicated'}}.")
+        if parts is None and is_embedding:
+            parts, auto = self._partitions, self._auto
+        parts = parts or 1
+        num_rows = shape[0] if shape else 0
+        if parts > 1 and parts > num_rows:
+            raise ValueError(f"Variable {path!r} has {num_rows} rows and cannot be split into {parts} shards. "
+                             f"Received: partitions={parts}. Use at most {max(num_rows, 1)}.")
+        rows = shard_rows(num_rows, parts) if parts > 1 else (num_rows,)
+        row_size = _product(shape[1:])
+        return Decision(PS, why, tuple(self.assign(r * row_size) for r in rows), rows, auto)
+
+    def assign(self, num_elements: int) -> int:
+        """The least-loaded PS task (ties: lowest index), charged with ``num_elements``."""
         task = min(range(len(self._ps_load)), key=lambda i: (self._ps_load[i], i))
         self._ps_load[task] += num_elements
-        return Decision(PS, why, task)
+        return task
+
+
+def _product(values):
+    out = 1
+    for v in values:
+        out *= int(v)
+    return out

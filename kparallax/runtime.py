@@ -99,10 +99,31 @@ def connect(cluster, connect_timeout=30.0):
         logging.info("worker %d connected to %d PS task(s): %s", cluster.task_index, cluster.num_ps,
                      ", ".join(cluster.ps))
     _STATE["connected_to"] = key
-    hvd.init()
+    hvd.init(process_sets="dynamic")  # local aggregation adds a per-host process set later
     if hvd.size() != cluster.num_workers:
         raise ValueError(
             f"Horovod reports {hvd.size()} worker process(es) but the cluster lists {cluster.num_workers}. "
             "Start workers with kparallax-run (or horovodrun with as many processes as cluster workers). "
             f"Received: workers={list(cluster.workers)}, HOROVOD_SIZE={os.environ.get('HOROVOD_SIZE')}.")
     _check_index_is_rank(cluster, hvd.rank(), "Horovod rank")
+
+
+def local_process_set():
+    """The Horovod process set of the workers on this host (the global set when all share one host).
+
+    Hosts are told apart by ``HOROVOD_HOSTNAME`` (set by kparallax-run and horovodrun; the machine's hostname
+    otherwise). Every worker must call this at the same point: adding process sets is a collective.
+    """
+    if hvd.local_size() == hvd.size():
+        return hvd.global_process_set
+    if "local" in _STATE:
+        return _STATE["local"]
+    hosts = hvd.allgather_object(os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname(), name="kp_hosts")
+    mine = None
+    for host in sorted(set(hosts), key=hosts.index):  # same order on every worker
+        ranks = [r for r, h in enumerate(hosts) if h == host]
+        process_set = hvd.add_process_set(ranks) if len(ranks) > 1 else None
+        if hvd.rank() in ranks:
+            mine = process_set
+    _STATE["local"] = mine
+    return mine

@@ -6,7 +6,7 @@ routing) and ``training`` (Model.compile/fit under the strategy).
 """
 
 import contextlib
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Union
 
 import horovod.tensorflow as hvd
 import numpy as np
@@ -15,6 +15,8 @@ from absl import logging
 
 from kparallax import _compat
 from kparallax import optimizer as optimizer_lib
+from kparallax import options as options_lib
+from kparallax import partition
 from kparallax import placement as placement_lib
 from kparallax import runtime
 from kparallax import training
@@ -33,9 +35,22 @@ class HybridStrategy:
 
     Args:
       cluster: the ``Cluster``; defaults to ``Cluster.from_env()``.
-      placement: optional mapping from variable-path regex to ``"ps"`` or ``"replicated"`` (overrides the
-        default: Embedding tables to PS, everything else replicated).
+      architecture: ``"hybrid"`` (default), ``"allreduce"`` (every variable replicated; no PS needed) or ``"ps"``
+        (every trainable variable on PS). None reads ``$KPARALLAX_ARCHITECTURE`` (``kparallax-run
+        --architecture``), else ``"hybrid"``.
+      placement: optional mapping from variable-path regex to ``"ps"``, ``"ps:P"`` (P row shards) or
+        ``"replicated"`` (overrides the architecture's default).
+      partitions: row shards per Embedding table (int >= 1), spread over the PS tasks; or ``"auto"``: time a few
+        real steps at P = num_ps, 2*num_ps, ... up to ``max_partitions``, fit t(P) = a/P + b(P-1) + c, keep the
+        best P, and go on training (state is carried over exactly).
+      max_partitions: upper bound of the ``"auto"`` search.
       average_sparse: average sparse gradients over workers (True, the single-process equivalent) or sum them.
+      sparse_as_dense: under ``"allreduce"``, densify sparse gradients instead of allgathering them.
+      local_aggregation: workers on one host sum their sparse gradients and one of them pushes per host.
+      backward_passes_per_step: micro-batches accumulated locally (dense and sparse) before one communication
+        and one update; ``fit``'s ``batch_size`` is then the micro-batch.
+      sync: False makes PS updates asynchronous (each worker's update applied on arrival; dense stays synchronous).
+      compression: ``"none"`` or ``"fp16"`` (Horovod's fp16 compression of the dense allreduce).
       connect_timeout: seconds to wait for the PS tasks to accept connections.
       init_timeout: seconds a worker waits for the chief to initialize a shared variable.
 
@@ -49,25 +64,34 @@ class HybridStrategy:
       ```
     """
 
-    def __init__(self, cluster: Optional[Cluster] = None, *, placement: Optional[Mapping[str, str]] = None,
-                 average_sparse: bool = True, connect_timeout: float = 30.0, init_timeout: float = 300.0):
+    def __init__(self, cluster: Optional[Cluster] = None, *, architecture: Optional[str] = None,
+                 placement: Optional[Mapping[str, str]] = None, partitions: Union[int, str] = 1,
+                 max_partitions: int = 16, average_sparse: bool = True, sparse_as_dense: bool = False,
+                 local_aggregation: bool = True, backward_passes_per_step: int = 1, sync: bool = True,
+                 compression: str = "none", connect_timeout: float = 30.0, init_timeout: float = 300.0):
         cluster = Cluster.from_env() if cluster is None else cluster
         if not isinstance(cluster, Cluster):
             raise TypeError(f"cluster must be a kparallax.Cluster. Received: {type(cluster).__name__}.")
-        if not isinstance(average_sparse, bool):
-            raise TypeError(f"average_sparse must be True or False. Received: average_sparse={average_sparse!r}.")
+        self._options = options_lib.Options(
+            architecture=options_lib.architecture_from_env(architecture), partitions=partitions,
+            max_partitions=max_partitions, average_sparse=average_sparse, sparse_as_dense=sparse_as_dense,
+            local_aggregation=local_aggregation, backward_passes_per_step=backward_passes_per_step, sync=sync,
+            compression=compression)
         for name, value in (("connect_timeout", connect_timeout), ("init_timeout", init_timeout)):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds. Received: {name}={value!r}.")
         if logging.get_verbosity() < logging.INFO:  # absl's default outside app.run is WARNING
             logging.set_verbosity(logging.INFO)
         self._cluster = cluster
-        self._placement = placement_lib.Placement(placement, cluster.num_ps)
-        self._average_sparse = average_sparse
+        self._placement = placement_lib.Placement(placement, cluster.num_ps, self._options.architecture,
+                                                  self._options.partitions)
         runtime.connect(cluster, connect_timeout)
         self._store = ps_variables.SharedVariableStore(cluster, is_initializer=cluster.is_chief,
                                                        init_timeout=init_timeout)
         self._ps_variables = {}  # variable.ref() -> (path, ps_task)
+        self._tables = []        # partitioned tables under partitions="auto" (partition.Table)
+        self._aggregators = []
+        logging.info("kparallax: %d worker(s), %d PS task(s), %s", hvd.size(), cluster.num_ps, self._options)
         training.install()
 
     # Properties users need -----------------------------------------------------------------------------
@@ -101,6 +125,15 @@ class HybridStrategy:
         with training.active(self), tf.variable_creator_scope(self._create_variable):
             yield self
 
+    @property
+    def options(self):
+        """The validated ``Options`` this strategy trains with."""
+        return self._options
+
+    @property
+    def partitioned_tables(self):
+        return list(self._tables)
+
     def _create_variable(self, next_creator, **kwargs):
         path = _compat.full_variable_name(kwargs.get("name"))
         initial_value = kwargs.get("initial_value")
@@ -109,8 +142,9 @@ class HybridStrategy:
             value = initial_value() if callable(initial_value) else initial_value
             shape, initial_value = tf.convert_to_tensor(value).shape, value
         shape = tf.TensorShape(shape)
+        trainable = kwargs.get("trainable", True) is not False
         embedding = _compat.embedding_being_built() is not None
-        decision = self._placement.decide(path, int(np.prod(shape.as_list())), embedding)
+        decision = self._placement.decide(path, shape.as_list(), embedding, trainable)
         if decision.where == placement_lib.REPLICATED:
             variable = next_creator(**kwargs)
             if variable.trainable:
@@ -118,28 +152,70 @@ class HybridStrategy:
             return variable
         dtype = kwargs.get("dtype") or tf.convert_to_tensor(
             initial_value() if callable(initial_value) else initial_value).dtype
-        variable = self._store.create(path, shape, dtype, initial_value, decision.ps_task,
-                                      trainable=kwargs.get("trainable", True) is not False,
-                                      constraint=kwargs.get("constraint"))
-        self._ps_variables[variable.ref()] = (path, decision.ps_task)
-        logging.info("placement: %s %s -> ps[%d] %s (%s)", path, shape.as_list(), decision.ps_task,
-                     self._cluster.ps[decision.ps_task], decision.why)
-        return variable
+        constraint = kwargs.get("constraint")
+        if len(decision.rows) == 1 and not decision.auto:
+            variable = self._store.create(path, shape, dtype, initial_value, decision.ps_task, trainable=trainable,
+                                          constraint=constraint)
+            self._ps_variables[variable.ref()] = (path, decision.ps_task)
+            logging.info("placement: %s %s -> ps[%d] %s (%s)", path, shape.as_list(), decision.ps_task,
+                         self._cluster.ps[decision.ps_task], decision.why)
+            return variable
+        table = partition.Table(path, tuple(shape.as_list()), tf.as_dtype(dtype), [], None)
+        table.shards = self._create_shards(table, decision.rows, decision.ps_tasks, _whole_value(initial_value, dtype),
+                                           trainable, constraint)
+        table.sharded = partition.make_sharded(path, table.shards)
+        partition.register(table)
+        if decision.auto:
+            self._tables.append(table)
+        logging.info("placement: %s %s -> %d shard(s) of rows %s on ps%s (%s%s)", path, shape.as_list(),
+                     len(decision.rows), list(decision.rows), list(decision.ps_tasks), decision.why,
+                     ", partitions='auto' search" if decision.auto else "")
+        return table.sharded
+
+    def _create_shards(self, table, rows, ps_tasks, whole_value, trainable, constraint):
+        shards, start = [], 0
+        row_shape = list(table.shape[1:])
+        for i, (count, task) in enumerate(zip(rows, ps_tasks)):
+            shard_path = f"{table.path}/part_{i}_of_{len(rows)}"
+            if table.generation:
+                shard_path += f"_g{table.generation}"
+            begin, end = start, start + count
+            shard = self._store.create(shard_path, [count] + row_shape, table.dtype,
+                                       lambda b=begin, e=end: whole_value()[b:e], task, trainable=trainable,
+                                       constraint=constraint)
+            self._ps_variables[shard.ref()] = (shard_path, task)
+            shards.append(shard)
+            start = end
+        return shards
 
     # Used by training.py -------------------------------------------------------------------------------
     def make_optimizer(self, optimizer):
         """Returns the routing optimizer for ``optimizer`` (a string or tf.keras optimizer)."""
         optimizer = optimizer_lib.resolve(optimizer)
-        router = _Router(self, optimizer)
+        local_set = None
+        if self._options.local_aggregation and self._options.sync and self.num_workers > 1 and self._cluster.ps:
+            local_set = runtime.local_process_set()
+        aggregator = sparse.SparseAggregator(self._store, self.ps_info, optimizer, self.num_workers, self.is_chief,
+                                             average=self._options.average_sparse, local_set=local_set,
+                                             sync=self._options.sync)
+        router = optimizer_lib.Router(self._options, self.num_workers, self.is_ps_variable, aggregator)
+        self._aggregators.append(aggregator)
         return optimizer_lib.wrap(optimizer, router)
 
+    def push_counts(self):
+        """{PS variable path: pushes received} over every model compiled in this strategy (read from the PS)."""
+        counts = {}
+        for aggregator in self._aggregators:
+            counts.update(aggregator.push_counts())
+        return counts
 
-class _Router:
-    """What the routing optimizer needs to know about one compiled model's variables."""
 
-    def __init__(self, strategy, optimizer):
-        self.num_workers = strategy.num_workers
-        self.is_ps_variable = strategy.is_ps_variable
-        self.aggregator = sparse.SparseAggregator(
-            strategy._store, strategy.ps_info, optimizer, strategy.num_workers,  # pylint: disable=protected-access
-            strategy.is_chief, average=strategy._average_sparse)  # pylint: disable=protected-access
+def _whole_value(initial_value, dtype):
+    """A callable returning the table's initial value, evaluated at most once (by the chief only)."""
+    cache = []
+
+    def value():
+        if not cache:
+            cache.append(tf.cast(initial_value() if callable(initial_value) else initial_value, dtype))
+        return cache[0]
+    return value

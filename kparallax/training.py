@@ -8,6 +8,7 @@ Under a strategy:
   * ``fit`` shards the training data per worker (``kparallax.data``), runs inside the strategy's scope, adds the
     callbacks that synchronize replicated weights at the start and average logged metrics over workers, and
     shows the progress bar on worker 0 only. ``validation_split`` takes the last fraction of the full arrays.
+  * ``Layer.get_weights`` / ``set_weights`` (and so the Model's) present a partitioned table whole.
   * ``evaluate`` / ``predict`` (and ``fit``'s validation) run on the full input on every worker, so their
     results are exact and identical everywhere; only worker 0 prints.
 """
@@ -20,6 +21,7 @@ import threading
 from kparallax import _compat
 from kparallax import callbacks as kp_callbacks
 from kparallax import data as data_lib
+from kparallax import partition
 
 _LOCAL = threading.local()
 _ORIGINAL = {}
@@ -106,10 +108,35 @@ def _run_quietly_on_workers(name, model, *args, **kwargs):
         return _call(name, bound)
 
 
+def _get_weights(layer):
+    values = _ORIGINAL["get_weights"](layer)
+    variables = layer.weights
+    if len(variables) != len(values) or not any(partition.table_of(v) for v in variables):
+        return values
+    return partition.merge_weights(variables, values)
+
+
+def _set_weights(layer, weights):
+    variables = layer.weights
+    weights = list(weights)
+    if any(partition.table_of(v) for v in variables) and len(weights) == partition.whole_weight_count(variables):
+        weights = partition.split_weights(variables, weights)
+    return _ORIGINAL["set_weights"](layer, weights)
+
+
 def install():
-    """Wraps tf.keras.Model.compile/fit/evaluate/predict once (idempotent)."""
+    """Wraps tf.keras.Model.compile/fit/evaluate/predict and Layer.get/set_weights once (idempotent)."""
     if _ORIGINAL:
         return
+    for name, replacement in (("get_weights", _get_weights), ("set_weights", _set_weights)):
+        original = getattr(_compat.KerasLayer, name)
+        _ORIGINAL[name] = original
+
+        @functools.wraps(original)
+        def layer_method(self, *args, _replacement=replacement, **kwargs):
+            return _replacement(self, *args, **kwargs)
+
+        setattr(_compat.KerasLayer, name, layer_method)
     model_cls = _compat.KerasModel
     replacements = {
         "compile": _compile,

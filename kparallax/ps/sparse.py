@@ -1,50 +1,63 @@
-"""Synchronous sparse aggregation on the parameter servers.
+"""Aggregation of the gradients of PS variables, synchronous (default) or asynchronous.
 
-Per step and per PS table:
-  1. every worker sums its rows with equal ids and pushes them into an accumulator variable on the PS
-     (``scatter_add``: non-blocking, nothing waits inside the PS);
-  2. the workers allgather the (small, integer) ids they pushed, after their pushes completed;
+Synchronous, per step and per PS variable:
+  1. every worker sums its rows with equal ids (``tf.unique`` + segment sum) and pushes them into an accumulator
+     variable next to the table on the PS (``scatter_add``: non-blocking, nothing waits inside the PS). With local
+     aggregation the workers of one host first allgather their rows inside the host's Horovod process set and only
+     the host's first worker pushes their sum: one push per host. A dense gradient (a dense variable under
+     ``architecture="ps"``) is added whole (``assign_add``).
+  2. the workers allgather the (small, integer) ids that were pushed, after their pushes completed;
   3. the chief gathers the accumulated rows of the union of ids on the PS, divides by the worker count, applies
      ONE optimizer update there (its optimizer clone and slots live on that PS), and zeroes those rows.
 Only touched rows and their ids cross the network; the update math runs on the PS device.
+
+Asynchronous (``sync=False``): each worker applies its own (deduplicated) gradient on the PS as soon as it is
+computed, through an optimizer whose slot variables are shared by all workers; nothing waits for other workers.
 """
+
+import contextlib
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from kparallax import _compat
+from kparallax import allreduce
 
 
-def as_indexed_slices(grad, variable):
-    """A PS variable's gradient as IndexedSlices (a dense gradient covers every row)."""
-    if isinstance(grad, tf.IndexedSlices):
-        return grad
-    rows = tf.range(tf.shape(variable, out_type=tf.int64)[0])
-    return tf.IndexedSlices(grad, rows, dense_shape=tf.shape(variable, out_type=tf.int64))
+def dedup(grad):
+    """(unique ids, summed rows) of an IndexedSlices gradient."""
+    ids, index = tf.unique(tf.cast(grad.indices, tf.int64))
+    return ids, tf.math.unsorted_segment_sum(grad.values, index, tf.shape(ids)[0])
 
 
 class SparseAggregator:
-    """Owns the accumulators and per-table optimizer clones of the PS variables of one model.
+    """Owns the accumulators and per-variable optimizer clones of the PS variables of one model.
 
     Args:
       store: the ``SharedVariableStore`` that creates accumulators next to their tables.
       ps_info: callable(variable) -> (path, ps_task) for a PS variable.
-      optimizer: the user's optimizer; the chief clones it once per table.
+      optimizer: the user's optimizer; cloned once per PS variable.
       num_workers, is_chief: from Horovod.
       average: divide the summed gradient by the number of workers (single-process equivalent).
+      local_set: Horovod process set of this host's workers for local aggregation, or None.
+      sync: synchronous aggregation (True) or asynchronous updates (False).
     """
 
-    def __init__(self, store, ps_info, optimizer, num_workers, is_chief, average=True):
+    def __init__(self, store, ps_info, optimizer, num_workers, is_chief, average=True, local_set=None, sync=True):
         self._store = store
         self._ps_info = ps_info
         self._optimizer = optimizer
         self._num_workers = num_workers
         self._is_chief = is_chief
         self._average = average
+        self._local_set = local_set
+        self._sync = sync
         self._accumulators = {}
+        self._counters = {}
         self._optimizers = {}
         self._sink = None
 
+    # Variables next to each PS variable ---------------------------------------------------------------
     @tf.autograph.experimental.do_not_convert
     def _accumulator(self, variable):
         key = variable.ref()
@@ -57,54 +70,156 @@ class SparseAggregator:
         return self._accumulators[key]
 
     @tf.autograph.experimental.do_not_convert
+    def _counter(self, variable):
+        key = variable.ref()
+        if key not in self._counters:
+            path, task = self._ps_info(variable)
+            with tf.init_scope():
+                self._counters[key] = self._store.create(f"{path}/kp_pushes", [], tf.int64,
+                                                         lambda: tf.constant(0, tf.int64), task, trainable=False)
+        return self._counters[key]
+
+    def push_counts(self):
+        """{PS variable path: pushes it received so far} (every worker's, or one per host with local aggregation)."""
+        return {self._ps_info(ref.deref())[0]: int(c.numpy()) for ref, c in self._counters.items()}
+
+    @tf.autograph.experimental.do_not_convert
     def table_optimizer(self, variable):
-        """The chief's optimizer clone for ``variable``; its variables live on the table's PS task."""
+        """The optimizer clone for ``variable``; its variables live on the variable's PS task.
+
+        Synchronous: the chief's own clone. Asynchronous: every worker's clone uses the same shared slot
+        variables (created through the store), so all workers update one set of optimizer state.
+        """
         key = variable.ref()
         if key not in self._optimizers:
-            with tf.init_scope(), tf.device(variable.device):
+            with tf.init_scope(), tf.device(variable.device), \
+                    (self._shared_slots(variable) if not self._sync else contextlib.nullcontext()):
                 clone = _compat.clone_optimizer(self._optimizer)
                 _compat.build_optimizer(clone, [variable])
             self._optimizers[key] = clone
         return self._optimizers[key]
 
+    def _shared_slots(self, variable):
+        path, task = self._ps_info(variable)
+
+        def creator(_, **kwargs):
+            initial_value = kwargs["initial_value"]
+            value = initial_value() if callable(initial_value) else initial_value
+            value = tf.convert_to_tensor(value, dtype=kwargs.get("dtype"))
+            name = (kwargs.get("name") or "slot").split(":")[0]
+            return self._store.create(f"{path}/kp_optimizer/{name}", value.shape, value.dtype, value, task,
+                                      trainable=False)
+        return tf.variable_creator_scope(creator)
+
     def _consume(self, tensors):
+        """A stateful op that reads one element of each tensor (a data edge Grappler cannot fold away)."""
         if self._sink is None:
             with tf.init_scope():
-                self._sink = tf.Variable(0, dtype=tf.int64, trainable=False, name="kp_sparse_ids_seen")
-        return self._sink.assign_add(tf.add_n([tf.size(t, out_type=tf.int64) for t in tensors]))
+                self._sink = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="kp_collectives_seen")
+        firsts = [tf.reduce_sum(tf.cast(tf.reshape(t, [-1])[:1], tf.float64)) for t in tensors]
+        return self._sink.assign_add(tf.add_n(firsts))
 
+    # Steps ---------------------------------------------------------------------------------------------
     @tf.autograph.experimental.do_not_convert
     def push_and_apply(self, grads_and_vars):
-        """Builds the step's sparse path; returns the ops the end-of-step barrier must wait for."""
+        """Builds the step's PS path; returns the ops the end-of-step synchronization must wait for."""
         if not grads_and_vars:
             return []
-        pushes, local_ids = [], []
-        for grad, variable in grads_and_vars:
-            slices = as_indexed_slices(grad, variable)
-            ids, index = tf.unique(tf.cast(slices.indices, tf.int64))
-            rows = tf.math.unsorted_segment_sum(slices.values, index, tf.shape(ids)[0])  # [unique ids, ...]
-            accumulator = self._accumulator(variable)
-            pushes.append(accumulator.scatter_add(tf.IndexedSlices(rows, ids)))
-            local_ids.append(ids)
+        if not self._sync:
+            return self._apply_async(grads_and_vars)
+        sparse = [(g, v) for g, v in grads_and_vars if isinstance(g, tf.IndexedSlices)]
+        dense = [(g, v) for g, v in grads_and_vars if not isinstance(g, tf.IndexedSlices)]
+        pushes, pushed_ids, unused = self._push_sparse(sparse)
+        dense_pushes, dense_unused = self._push_dense(dense)
+        pushes += dense_pushes
+        unused += dense_unused
         with tf.control_dependencies(pushes):
-            if self._num_workers == 1:
-                all_ids = [tf.identity(i) for i in local_ids]
+            if pushed_ids and self._num_workers > 1:
+                all_ids = hvd.grouped_allgather(pushed_ids, name="kp_sparse_ids")
             else:
-                all_ids = hvd.grouped_allgather(local_ids, name="kp_sparse_ids")
+                all_ids = [tf.identity(i) for i in pushed_ids]
+            if not pushed_ids:
+                all_ids = [tf.cast(allreduce.barrier(self._num_workers, name="kp_ps_pushed"), tf.int64)]
         if not self._is_chief:
             # Grappler prunes a Horovod op whose output only feeds control edges, and a worker that skips the
-            # allgather deadlocks the others: consume the ids in a stateful op.
-            return pushes + [self._consume(all_ids)]
+            # collective deadlocks the others: consume its output in a stateful op.
+            return pushes + [self._consume(all_ids + unused)]
         done = []
-        for (_, variable), ids in zip(grads_and_vars, all_ids):
-            accumulator = self._accumulator(variable)
+        for (_, variable), ids in zip(sparse, all_ids):
+            done.append(self._apply_rows(variable, tf.unique(ids).y))
+        with tf.control_dependencies(all_ids):
+            for _, variable in dense:
+                done.append(self._apply_whole(variable))
+        return done
+
+    def _is_leader(self):
+        return self._local_set is None or self._local_set.rank() == 0
+
+    def _push_sparse(self, sparse):
+        if not sparse:
+            return [], [], []
+        deduped = [dedup(g) for g, _ in sparse]
+        if self._local_set is not None:
+            local_ids = hvd.grouped_allgather([i for i, _ in deduped], process_set=self._local_set,
+                                              name="kp_local_ids")
+            local_rows = hvd.grouped_allgather([r for _, r in deduped], process_set=self._local_set,
+                                               name="kp_local_rows")
+            if not self._is_leader():  # its rows travel in the leader's push; the collectives' outputs must be used
+                return [], [i[:0] for i in local_ids], list(local_rows)
+            deduped = [dedup(tf.IndexedSlices(r, i)) for i, r in zip(local_ids, local_rows)]
+        pushes, pushed_ids = [], []
+        for (_, variable), (ids, rows) in zip(sparse, deduped):
             with tf.device(variable.device):
-                ids = tf.unique(ids).y
-                rows = accumulator.sparse_read(ids)
-                if self._average and self._num_workers > 1:
-                    rows = rows / tf.cast(self._num_workers, rows.dtype)
+                pushes.append(self._accumulator(variable).scatter_add(tf.IndexedSlices(rows, ids)))
+                pushes.append(self._counter(variable).assign_add(1))
+            pushed_ids.append(ids)
+        return pushes, pushed_ids, []
+
+    def _push_dense(self, dense):
+        if not dense:
+            return [], []
+        grads = [g for g, _ in dense]
+        if self._local_set is not None:
+            grads = hvd.grouped_allreduce(grads, op=hvd.Sum, process_set=self._local_set, name="kp_local_dense")
+        if not self._is_leader():
+            return [], list(grads)  # its gradient is in the leader's push; the allreduce's output must be used
+        pushes = []
+        for grad, (_, variable) in zip(grads, dense):
+            with tf.device(variable.device):
+                pushes.append(self._accumulator(variable).assign_add(grad))
+                pushes.append(self._counter(variable).assign_add(1))
+        return pushes, []
+
+    def _scale(self, value):
+        if self._average and self._num_workers > 1:
+            return value / tf.cast(self._num_workers, value.dtype)
+        return value
+
+    def _apply_rows(self, variable, ids):
+        accumulator = self._accumulator(variable)
+        with tf.device(variable.device):
+            rows = self._scale(accumulator.sparse_read(ids))
+            grad = tf.IndexedSlices(rows, ids, dense_shape=tf.constant(variable.shape.as_list(), tf.int64))
+            applied = self.table_optimizer(variable).apply_gradients([(grad, variable)])
+            with tf.control_dependencies([applied] if applied is not None else []):
+                return accumulator.scatter_update(tf.IndexedSlices(tf.zeros_like(rows), ids))
+
+    def _apply_whole(self, variable):
+        accumulator = self._accumulator(variable)
+        with tf.device(variable.device):
+            grad = self._scale(accumulator.read_value())
+            applied = self.table_optimizer(variable).apply_gradients([(grad, variable)])
+            with tf.control_dependencies([applied] if applied is not None else []):
+                return accumulator.assign(tf.zeros_like(grad))
+
+    def _apply_async(self, grads_and_vars):
+        done = []
+        for grad, variable in grads_and_vars:
+            if isinstance(grad, tf.IndexedSlices):
+                ids, rows = dedup(grad)
                 grad = tf.IndexedSlices(rows, ids, dense_shape=tf.constant(variable.shape.as_list(), tf.int64))
+            with tf.device(variable.device):
                 applied = self.table_optimizer(variable).apply_gradients([(grad, variable)])
                 with tf.control_dependencies([applied] if applied is not None else []):
-                    done.append(accumulator.scatter_update(tf.IndexedSlices(tf.zeros_like(rows), ids)))
+                    done.append(self._counter(variable).assign_add(1))
         return done

@@ -1,0 +1,92 @@
+"""Embedding tables split row-wise into shards on several PS tasks.
+
+A partitioned table is a ``ShardedVariable`` (TensorFlow's container for row shards): ``tf.nn.embedding_lookup``
+on it gathers from the shards that own the ids only ("div" split: shard i holds a contiguous block of rows, the
+first ``V % P`` shards one row more), and each shard receives its own IndexedSlices gradient, so lookups and
+updates touch only the owning shards. Keras lists the shards as the layer's weights (as under TensorFlow's
+ParameterServerStrategy); ``get_weights``/``set_weights`` of layers and models are wrapped here so that they
+still present each table whole.
+"""
+
+import dataclasses
+from typing import List, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from kparallax import _compat
+
+
+@dataclasses.dataclass
+class Table:
+    """One partitioned table: its path and current shards (replaced by a re-partitioning)."""
+    path: str
+    shape: Tuple[int, ...]
+    dtype: tf.DType
+    shards: List[tf.Variable]
+    sharded: object  # the ShardedVariable handed to Keras
+    generation: int = 0
+
+
+_SHARD_OF = {}  # shard.ref() -> (Table, shard index)
+
+
+def register(table):
+    for i, shard in enumerate(table.shards):
+        _SHARD_OF[shard.ref()] = (table, i)
+
+
+def unregister(table):
+    for shard in table.shards:
+        _SHARD_OF.pop(shard.ref(), None)
+
+
+def table_of(variable):
+    """(Table, shard index) if ``variable`` is a shard of a partitioned table, else None."""
+    try:
+        return _SHARD_OF.get(variable.ref())
+    except (AttributeError, TypeError):
+        return None
+
+
+def make_sharded(table_path, shards):
+    return _compat.ShardedVariable(list(shards), name=table_path)
+
+
+def merge_weights(variables, values):
+    """Given a layer's weight variables and their values, returns the values with each table's shards joined."""
+    position = {id(v): i for i, v in enumerate(variables)}
+    out = []
+    for variable, value in zip(variables, values):
+        owner = table_of(variable)
+        if owner is None:
+            out.append(value)
+        elif owner[1] == 0:
+            out.append(np.concatenate([values[position[id(s)]] if id(s) in position else s.numpy()
+                                       for s in owner[0].shards], axis=0))
+    return out
+
+
+def split_weights(variables, values):
+    """Inverse of ``merge_weights``: expands each whole-table value into one value per shard of ``variables``."""
+    expanded, it = [], iter(values)
+    pending = {}
+    for variable in variables:
+        owner = table_of(variable)
+        if owner is None:
+            expanded.append(next(it))
+            continue
+        table, index = owner
+        if index == 0:
+            whole = np.asarray(next(it))
+            if tuple(whole.shape) != tuple(table.shape):
+                raise ValueError(f"Weight for partitioned table {table.path!r} has shape {whole.shape}, expected "
+                                 f"{tuple(table.shape)} (the whole table). Received: shape={whole.shape}.")
+            bounds = np.cumsum([0] + [int(s.shape[0]) for s in table.shards])
+            pending[id(table)] = [whole[bounds[i]:bounds[i + 1]] for i in range(len(table.shards))]
+        expanded.append(pending[id(table)][index])
+    return expanded
+
+
+def whole_weight_count(variables):
+    return sum(1 for v in variables if table_of(v) is None or table_of(v)[1] == 0)
