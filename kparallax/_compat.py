@@ -124,3 +124,22 @@ def train_validation_split(arrays, validation_split):
 
 def progbar_logger():
     return tf.keras.callbacks.ProgbarLogger(count_mode="steps")
+
+
+def optimizer_variables(optimizer):
+    """The optimizer's own variables (iterations, slots, ...) in creation order, for either optimizer family."""
+    if optimizer_family(optimizer) == "new":
+        return list(optimizer.variables)
+    return list(optimizer.weights)
+
+
+def destroy_variable(variable):
+    """Frees a (shared) variable's resource on its device; later reads of it fail."""
+    with tf.device(variable.device):
+        _gen_rv.destroy_resource_op(variable.handle, ignore_lookup_error=True)
+
+
+def reset_train_function(model):
+    """Makes ``Model.fit`` retrace its train step (for example after a layer's variables were replaced)."""
+    model.train_function = None
+    model.train_function = model.make_train_function(force=True)

@@ -47,11 +47,16 @@ class SyncReplicatedVariables(tf.keras.callbacks.Callback):
 
 
 class AverageMetrics(tf.keras.callbacks.Callback):
-    """Replaces each logged loss/metric with its average over workers (every batch and every epoch)."""
+    """Replaces each logged loss/metric with its average over workers (every batch and every epoch).
+
+    With ``sync=False`` (asynchronous PS) only epoch logs are averaged: a per-batch collective would put the
+    workers back in lock-step; the per-batch progress then shows worker 0's own values.
+    """
 
     def __init__(self, strategy):
         super().__init__()
         self._strategy = strategy
+        self._per_batch = strategy.options.sync
 
     def _average(self, logs, tag):
         if self._strategy.num_workers == 1 or not logs:
@@ -65,7 +70,8 @@ class AverageMetrics(tf.keras.callbacks.Callback):
             logs[key] = float(value)
 
     def on_train_batch_end(self, batch, logs=None):
-        self._average(logs, "batch")
+        if self._per_batch:
+            self._average(logs, "batch")
 
     def on_epoch_end(self, epoch, logs=None):
         self._average(logs, "epoch")

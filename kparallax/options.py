@@ -19,6 +19,7 @@ class Options:
         replicated, Horovod only) or ``"ps"`` (every trainable variable on PS tasks).
       partitions: row shards per embedding table (an int >= 1), or ``"auto"`` to choose it by timing steps.
       max_partitions: upper bound of the ``"auto"`` search.
+      auto_steps: timed steps per candidate partition count of the ``"auto"`` search (after one warm-up step).
       average_sparse: average (True, the single-process equivalent) or sum sparse gradients over workers.
       sparse_as_dense: under ``"allreduce"``, densify IndexedSlices and allreduce them instead of allgathering.
       local_aggregation: workers on one host combine their sparse gradients before one push per host.
@@ -30,6 +31,7 @@ class Options:
     architecture: str = "hybrid"
     partitions: Union[int, str] = 1
     max_partitions: int = 16
+    auto_steps: int = 5
     average_sparse: bool = True
     sparse_as_dense: bool = False
     local_aggregation: bool = True
@@ -46,6 +48,8 @@ class Options:
                              f"Received: partitions={self.partitions!r}.")
         if not (_is_int(self.max_partitions) and self.max_partitions >= 1):
             raise ValueError(f"max_partitions must be an integer >= 1. Received: max_partitions={self.max_partitions!r}.")
+        if not (_is_int(self.auto_steps) and self.auto_steps >= 1):
+            raise ValueError(f"auto_steps must be an integer >= 1. Received: auto_steps={self.auto_steps!r}.")
         if not (_is_int(self.backward_passes_per_step) and self.backward_passes_per_step >= 1):
             raise ValueError("backward_passes_per_step must be an integer >= 1. Received: backward_passes_per_step="
                              f"{self.backward_passes_per_step!r}.")
@@ -63,9 +67,10 @@ class Options:
         if not self.sync and self.backward_passes_per_step > 1:
             raise ValueError("backward_passes_per_step > 1 is supported with sync=True only. Received: sync=False, "
                              f"backward_passes_per_step={self.backward_passes_per_step}.")
-        if self.partitions == AUTO and not self.sync:
-            raise ValueError("partitions='auto' is supported with sync=True only. Received: partitions='auto', "
-                             "sync=False.")
+        if self.partitions == AUTO and (not self.sync or self.backward_passes_per_step > 1):
+            raise ValueError("partitions='auto' needs sync=True and backward_passes_per_step=1 (a re-partitioning "
+                             "happens between steps). Received: partitions='auto', sync="
+                             f"{self.sync}, backward_passes_per_step={self.backward_passes_per_step}.")
 
 
 def _is_int(value):

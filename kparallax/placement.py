@@ -71,6 +71,7 @@ class Placement:
         self._rules = tuple(compiled)
         self._architecture = architecture
         self._auto = partitions == "auto"
+        self._settled = False
         self._partitions = max(num_ps, 1) if self._auto else partitions
         self._ps_load = [0] * num_ps
 
@@ -100,16 +101,22 @@ class Placement:
                 f"Variable {path!r} must live on a parameter server ({why}), but the cluster has no PS task. "
                 "Received: num_ps=0. Start PS tasks (kparallax-run --ps 1 ...), use architecture='allreduce', or "
                 f"map it to 'replicated' with placement={{{path!r}: 'replicated'}}.")
+        num_rows = shape[0] if shape else 0
         if parts is None and is_embedding:
             parts, auto = self._partitions, self._auto
+            if self._auto or self._settled:  # a searched count never exceeds a small table's rows
+                parts = min(parts, max(num_rows, 1))
         parts = parts or 1
-        num_rows = shape[0] if shape else 0
         if parts > 1 and parts > num_rows:
             raise ValueError(f"Variable {path!r} has {num_rows} rows and cannot be split into {parts} shards. "
                              f"Received: partitions={parts}. Use at most {max(num_rows, 1)}.")
         rows = shard_rows(num_rows, parts) if parts > 1 else (num_rows,)
         row_size = _product(shape[1:])
         return Decision(PS, why, tuple(self.assign(r * row_size) for r in rows), rows, auto)
+
+    def settle_auto(self, partitions: int):
+        """After the ``"auto"`` search: tables created from now on get ``partitions`` shards, no new search."""
+        self._partitions, self._auto, self._settled = partitions, False, True
 
     def assign(self, num_elements: int) -> int:
         """The least-loaded PS task (ties: lowest index), charged with ``num_elements``."""

@@ -14,9 +14,11 @@ import tensorflow as tf
 from absl import logging
 
 from kparallax import _compat
+from kparallax import allreduce
 from kparallax import optimizer as optimizer_lib
 from kparallax import options as options_lib
 from kparallax import partition
+from kparallax import partition_search
 from kparallax import placement as placement_lib
 from kparallax import runtime
 from kparallax import training
@@ -44,6 +46,7 @@ class HybridStrategy:
         real steps at P = num_ps, 2*num_ps, ... up to ``max_partitions``, fit t(P) = a/P + b(P-1) + c, keep the
         best P, and go on training (state is carried over exactly).
       max_partitions: upper bound of the ``"auto"`` search.
+      auto_steps: timed steps per candidate of the ``"auto"`` search (each after one warm-up step).
       average_sparse: average sparse gradients over workers (True, the single-process equivalent) or sum them.
       sparse_as_dense: under ``"allreduce"``, densify sparse gradients instead of allgathering them.
       local_aggregation: workers on one host sum their sparse gradients and one of them pushes per host.
@@ -66,7 +69,7 @@ class HybridStrategy:
 
     def __init__(self, cluster: Optional[Cluster] = None, *, architecture: Optional[str] = None,
                  placement: Optional[Mapping[str, str]] = None, partitions: Union[int, str] = 1,
-                 max_partitions: int = 16, average_sparse: bool = True, sparse_as_dense: bool = False,
+                 max_partitions: int = 16, auto_steps: int = 5, average_sparse: bool = True, sparse_as_dense: bool = False,
                  local_aggregation: bool = True, backward_passes_per_step: int = 1, sync: bool = True,
                  compression: str = "none", connect_timeout: float = 30.0, init_timeout: float = 300.0):
         cluster = Cluster.from_env() if cluster is None else cluster
@@ -74,7 +77,7 @@ class HybridStrategy:
             raise TypeError(f"cluster must be a kparallax.Cluster. Received: {type(cluster).__name__}.")
         self._options = options_lib.Options(
             architecture=options_lib.architecture_from_env(architecture), partitions=partitions,
-            max_partitions=max_partitions, average_sparse=average_sparse, sparse_as_dense=sparse_as_dense,
+            max_partitions=max_partitions, auto_steps=auto_steps, average_sparse=average_sparse, sparse_as_dense=sparse_as_dense,
             local_aggregation=local_aggregation, backward_passes_per_step=backward_passes_per_step, sync=sync,
             compression=compression)
         for name, value in (("connect_timeout", connect_timeout), ("init_timeout", init_timeout)):
@@ -91,6 +94,7 @@ class HybridStrategy:
         self._ps_variables = {}  # variable.ref() -> (path, ps_task)
         self._tables = []        # partitioned tables under partitions="auto" (partition.Table)
         self._aggregators = []
+        self._search = partition_search.new_state()
         logging.info("kparallax: %d worker(s), %d PS task(s), %s", hvd.size(), cluster.num_ps, self._options)
         training.install()
 
@@ -132,7 +136,13 @@ class HybridStrategy:
 
     @property
     def partitioned_tables(self):
+        """Tables whose partition count the ``partitions="auto"`` search may change."""
         return list(self._tables)
+
+    @property
+    def partition_search(self):
+        """State of the ``partitions="auto"`` search: ``samples`` {P: s/step}, ``model`` (a, b, c), ``chosen``."""
+        return self._search
 
     def _create_variable(self, next_creator, **kwargs):
         path = _compat.full_variable_name(kwargs.get("name"))
@@ -188,6 +198,46 @@ class HybridStrategy:
             start = end
         return shards
 
+    def repartition(self, table, partitions, model):
+        """Re-splits partitioned ``table`` into ``partitions`` shards; values and optimizer state carry over.
+
+        A collective: every worker calls it between the same two steps. The chief copies the rows into new
+        shards (spread round-robin over the PS tasks) and moves the optimizer slots; the model's layer is pointed
+        at the new shards and its train step is retraced; the old shards are freed.
+        """
+        if partitions == len(table.shards):
+            return
+        _compat.async_wait()
+        old_shards, old_sharded = table.shards, table.sharded
+        rows = placement_lib.shard_rows(table.shape[0], partitions)
+        first = self.ps_info(old_shards[0])[1]
+        tasks = [(first + i) % self._cluster.num_ps for i in range(partitions)]
+        table.generation += 1
+        whole = _whole_value(lambda: tf.concat([s.read_value() for s in old_shards], 0), table.dtype)
+        new_shards = self._create_shards(table, rows, tasks, whole, old_shards[0].trainable,
+                                         old_shards[0].constraint)
+        stale = []
+        for aggregator in self._aggregators:
+            stale += aggregator.move_state(old_shards, new_shards)
+        partition.unregister(table)
+        table.shards, table.sharded = new_shards, partition.make_sharded(table.path, new_shards)
+        partition.register(table)
+        for layer in model._flatten_layers():  # pylint: disable=protected-access
+            _replace_in_layer(layer, old_shards, old_sharded, new_shards, table.sharded)
+        _compat.reset_train_function(model)
+        allreduce.barrier(self.num_workers, name=f"kp_repartition_{table.generation}").numpy()
+        if self.is_chief:
+            for variable in list(old_shards) + stale:
+                _compat.destroy_variable(variable)
+        for shard in old_shards:
+            self._ps_variables.pop(shard.ref(), None)
+        logging.info("repartitioned %s: %d -> %d shard(s) of rows %s on ps%s", table.path, len(old_shards),
+                     partitions, list(rows), tasks)
+
+    def settle_partitions(self, partitions):
+        """Ends the ``"auto"`` search: later tables are created with ``partitions`` shards."""
+        self._placement.settle_auto(partitions)
+
     # Used by training.py -------------------------------------------------------------------------------
     def make_optimizer(self, optimizer):
         """Returns the routing optimizer for ``optimizer`` (a string or tf.keras optimizer)."""
@@ -208,6 +258,19 @@ class HybridStrategy:
         for aggregator in self._aggregators:
             counts.update(aggregator.push_counts())
         return counts
+
+
+def _replace_in_layer(layer, old_shards, old_sharded, new_shards, new_sharded):
+    for attr in ("_trainable_weights", "_non_trainable_weights"):
+        weights = getattr(layer, attr, None)
+        if not weights:
+            continue
+        positions = [i for i, w in enumerate(weights) if any(w is s for s in old_shards)]
+        if positions:
+            weights[positions[0]:positions[-1] + 1] = new_shards
+    for name, value in list(vars(layer).items()):
+        if value is old_sharded:
+            setattr(layer, name, new_sharded)
 
 
 def _whole_value(initial_value, dtype):

@@ -22,6 +22,7 @@ from kparallax import _compat
 from kparallax import callbacks as kp_callbacks
 from kparallax import data as data_lib
 from kparallax import partition
+from kparallax import partition_search
 
 _LOCAL = threading.local()
 _ORIGINAL = {}
@@ -88,6 +89,8 @@ def _fit(model, *args, **kwargs):
         a["x"], a["y"], a["sample_weight"] = data_lib.shard_arrays(arrays, n, index)
     user_callbacks = list(a["callbacks"] or [])
     ours = [kp_callbacks.SyncReplicatedVariables(strategy), kp_callbacks.AverageMetrics(strategy)]
+    if strategy.partitioned_tables and not strategy.partition_search["done"]:
+        ours.insert(1, partition_search.PartitionSearch(strategy))
     if not strategy.is_chief:
         a["verbose"] = 0
     elif a["verbose"] != 0:

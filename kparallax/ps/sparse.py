@@ -111,6 +111,37 @@ class SparseAggregator:
                                       trainable=False)
         return tf.variable_creator_scope(creator)
 
+    def move_state(self, old_variables, new_variables):
+        """After a re-partitioning: carries every per-variable optimizer state from the old shards to the new.
+
+        Row-shaped optimizer variables (slots) are joined and re-split by rows; the others (iterations, ...) are
+        copied. Returns the old shards' PS-side helper variables (accumulators, counters), which the caller
+        frees once every worker has switched. Only the chief holds optimizer clones (synchronous mode).
+        """
+        stale = [self._accumulators.pop(v.ref(), None) for v in old_variables]
+        stale += [self._counters.pop(v.ref(), None) for v in old_variables]
+        old = [self._optimizers.pop(v.ref(), None) for v in old_variables]
+        if not self._is_chief or any(o is None for o in old):
+            return [v for v in stale if v is not None]
+        new = [self.table_optimizer(v) for v in new_variables]
+        old_state = [_compat.optimizer_variables(o) for o in old]
+        new_state = [_compat.optimizer_variables(o) for o in new]
+        bounds = [0]
+        for v in new_variables:
+            bounds.append(bounds[-1] + int(v.shape[0]))
+        for j in range(len(new_state[0])):
+            parts = [state[j] for state in old_state]
+            row_shaped = all(p.shape.rank and p.shape == v.shape for p, v in zip(parts, old_variables))
+            if row_shaped:
+                whole = tf.concat([p.read_value() for p in parts], 0)
+                for i, state in enumerate(new_state):
+                    state[j].assign(whole[bounds[i]:bounds[i + 1]])
+            else:
+                for state in new_state:
+                    state[j].assign(parts[0].read_value())
+        _compat.async_wait()
+        return [v for v in stale if v is not None]
+
     def _consume(self, tensors):
         """A stateful op that reads one element of each tensor (a data edge Grappler cannot fold away)."""
         if self._sink is None:

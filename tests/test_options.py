@@ -1,0 +1,49 @@
+import pytest
+
+from kparallax import options as options_lib
+from kparallax import partition_search
+from kparallax.options import Options
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"architecture": "mesh"}, r"architecture must be one of .*Received: architecture='mesh'"),
+    ({"partitions": 0}, r"partitions must be an integer >= 1 .* or 'auto'. Received: partitions=0"),
+    ({"partitions": "many"}, r"Received: partitions='many'"),
+    ({"partitions": True}, r"Received: partitions=True"),
+    ({"backward_passes_per_step": 0}, r"Received: backward_passes_per_step=0"),
+    ({"compression": "int8"}, r"compression must be one of \('none', 'fp16'\). Received: compression='int8'"),
+    ({"sync": "no"}, r"sync must be True or False. Received: sync='no'"),
+    ({"sparse_as_dense": True}, r"sparse_as_dense applies to architecture='allreduce' only"),
+    ({"architecture": "allreduce", "sync": False}, r"sync=False .* needs PS variables"),
+    ({"partitions": "auto", "backward_passes_per_step": 2}, r"partitions='auto' needs sync=True and"),
+    ({"auto_steps": 0}, r"Received: auto_steps=0"),
+])
+def test_bad_options_get_one_clear_error(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        Options(**kwargs)
+
+
+def test_architecture_comes_from_the_launcher_env_unless_given(monkeypatch):
+    monkeypatch.delenv(options_lib.ARCHITECTURE_ENV, raising=False)
+    assert options_lib.architecture_from_env(None) == "hybrid"
+    monkeypatch.setenv(options_lib.ARCHITECTURE_ENV, "ps")
+    assert options_lib.architecture_from_env(None) == "ps"
+    assert options_lib.architecture_from_env("allreduce") == "allreduce"
+
+
+def test_search_candidates_are_powers_of_two_from_num_ps():
+    assert partition_search.candidates(1, 16, 10**6) == [1, 2, 4, 8, 16]
+    assert partition_search.candidates(2, 8, 10**6) == [2, 4, 8]
+    assert partition_search.candidates(3, 16, 10**6) == [3, 6, 12]
+    assert partition_search.candidates(2, 16, 5) == [2, 4]
+    assert partition_search.candidates(4, 2, 10**6) == [4]
+
+
+def test_cost_model_fit_recovers_known_coefficients_and_argmin():
+    a, b, c = 0.08, 0.002, 0.01
+    samples = {p: a / p + b * (p - 1) + c for p in (1, 2, 4, 8, 16)}
+    fitted = partition_search.fit_cost_model(samples)
+    assert fitted == pytest.approx((a, b, c), rel=1e-9)
+    chosen, _ = partition_search.choose(samples)
+    assert chosen == 6  # sqrt(a/b) = 6.32; t(6) < t(7)
+    assert partition_search.choose({2: 0.3, 4: 0.2})[0] == 4  # too few samples: fastest measured
