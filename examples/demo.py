@@ -40,8 +40,13 @@ def main():
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch_size", type=int, default=64, help="per worker")
     parser.add_argument("--examples", type=int, default=32768)
+    parser.add_argument("--partitions", default="1", help="row shards per table: an integer or 'auto'")
+    parser.add_argument("--no_local_aggregation", action="store_true",
+                        help="every worker pushes its own sparse gradient (default: one push per host)")
     args = parser.parse_args()
-    strategy = kp.HybridStrategy(kp.Cluster.from_env())
+    strategy = kp.HybridStrategy(kp.Cluster.from_env(),
+                                 partitions=args.partitions if args.partitions == "auto" else int(args.partitions),
+                                 local_aggregation=not args.no_local_aggregation)
     x, y = make_data(args.examples)
     with strategy.scope():
         model = build_model()
