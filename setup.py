@@ -14,6 +14,7 @@ setup(
         "absl-py",
         "tensorboard",
         "portpicker",
+        "pyyaml",
     ],
     extras_require={"test": ["pytest", "pytest-timeout"]},
     entry_points={"console_scripts": ["kparallax-run=kparallax.launch:main"]},

@@ -17,6 +17,7 @@ import tensorflow as tf
 from absl import logging
 
 from kparallax import _compat
+from kparallax import rendezvous
 
 _STATE = {"connected_to": None}
 
@@ -59,11 +60,37 @@ def _serialized(path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _own_address(cluster):
+def _own_address(cluster, port_taken=False):
+    """This worker's TensorFlow server address: its cluster address, or a free port on its host when the
+    address has port 0 or its port serves the coordinator (worker 0 under TF_CONFIG)."""
     address = cluster.workers[cluster.task_index]
-    if address.endswith(":0"):
-        address = f"localhost:{portpicker.pick_unused_port()}"
+    host, port = address.rsplit(":", 1)
+    if port == "0" or port_taken:
+        address = f"{'localhost' if port == '0' else host}:{portpicker.pick_unused_port()}"
     return address
+
+
+def _join_tf_config_job(cluster, connect_timeout):
+    """Gives a TF_CONFIG worker (no launcher) its Horovod Gloo environment; worker 0 serves the rendezvous.
+
+    The rendezvous (and the coordinator store) listens at worker 0's TF_CONFIG address; worker 0's own TensorFlow
+    server then takes a free port. Ranks are the worker indices; workers sharing a host form its local group.
+    """
+    hosts = [w.rsplit(":", 1)[0] for w in cluster.workers]
+    slots = rendezvous.slot_plan_for_hosts(hosts)
+    address, port = cluster.workers[0].rsplit(":", 1)
+    if cluster.task_index == 0:
+        _STATE["coordinator"] = rendezvous.Coordinator(address, int(port), slots)
+    else:
+        rendezvous.wait_reachable(f"{address}:{port}", connect_timeout)
+    mine = slots[cluster.task_index]
+    interface = os.environ.get("HOROVOD_GLOO_IFACE") or rendezvous.interface_of(hosts[cluster.task_index])
+    if interface is None:
+        raise ValueError(f"No network interface of this host holds worker {cluster.task_index}'s TF_CONFIG address "
+                         f"{cluster.workers[cluster.task_index]}; set HOROVOD_GLOO_IFACE to the interface to use. "
+                         f"Received: {cluster.workers[cluster.task_index]}.")
+    os.environ.update(rendezvous.horovod_env(mine, address, int(port), interface))
+
 
 
 def _check_index_is_rank(cluster, rank, source):
@@ -79,6 +106,10 @@ def connect(cluster, connect_timeout=30.0):
     if cluster.task_type != "worker":
         raise ValueError("Only worker tasks train; PS tasks run `python -m kparallax.ps`. "
                          f"Received: task_type={cluster.task_type!r}.")
+    port_taken = False
+    if "HOROVOD_RANK" not in os.environ and os.environ.get("TF_CONFIG") and cluster.num_workers > 1:
+        _join_tf_config_job(cluster, connect_timeout)
+        port_taken = cluster.task_index == 0
     launcher_rank = os.environ.get("HOROVOD_RANK", "")
     if launcher_rank.isdigit():  # checked before connecting: two workers with one index crash TensorFlow
         _check_index_is_rank(cluster, int(launcher_rank), "HOROVOD_RANK")
@@ -88,7 +119,11 @@ def connect(cluster, connect_timeout=30.0):
                            f"process. Received: {cluster}.")
     if cluster.ps and _STATE["connected_to"] is None:
         wait_reachable(cluster, connect_timeout)
-        spec = tf.train.ClusterSpec({"ps": list(cluster.ps), "worker": {cluster.task_index: _own_address(cluster)}})
+        spec = tf.train.ClusterSpec({"ps": list(cluster.ps),
+                                     "worker": {cluster.task_index: _own_address(cluster, port_taken)}})
+        coordinator = rendezvous.coordinator_from_env()
+        if coordinator:  # first connections one at a time across hosts
+            rendezvous.wait_turn(coordinator, cluster.task_index, timeout=60.0 + 10.0 * cluster.task_index)
         with _serialized(cluster.connect_lock):
             tf.config.experimental_connect_to_cluster(spec, job_name="worker", task_index=cluster.task_index,
                                                       protocol="grpc")
@@ -96,6 +131,8 @@ def connect(cluster, connect_timeout=30.0):
                 with tf.device(cluster.ps_device(i)):
                     tf.identity(tf.constant(0)).numpy()
             _compat.async_wait()
+        if coordinator:
+            rendezvous.put(coordinator, f"connected_{cluster.task_index}", "1")
         logging.info("worker %d connected to %d PS task(s): %s", cluster.task_index, cluster.num_ps,
                      ", ".join(cluster.ps))
     _STATE["connected_to"] = key

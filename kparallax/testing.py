@@ -50,3 +50,20 @@ def run_local(command, log_dir, workers=2, ps=1, timeout=240.0, env=None, launch
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         return RunResult(-1, f"kparallax-run itself did not exit within {timeout + 60:.0f}s\n{out}", log_dir)
+
+
+def pid_of_task(log_dir, task_type, task_index=0):
+    """PID of the live task ``task_type task_index`` of the run logging to ``log_dir`` (None if not found)."""
+    wanted = {f"KPARALLAX_LOG_DIR={log_dir}".encode(), f"KPARALLAX_TASK_TYPE={task_type}".encode(),
+              f"KPARALLAX_TASK_INDEX={task_index}".encode()}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = set(f.read().split(b"\0"))
+        except OSError:
+            continue
+        if wanted <= environ:
+            return int(pid)
+    return None

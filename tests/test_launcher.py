@@ -80,3 +80,23 @@ def test_launcher_rejects_bad_flags():
         done = subprocess.run([sys.executable, "-m", "kparallax.launch"] + argv, capture_output=True, text=True,
                               timeout=60, check=False)
         assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+@pytest.mark.multiprocess
+def test_killing_the_ps_ends_the_run_within_30s_naming_it(tmp_path):
+    demo = os.path.join(os.path.dirname(__file__), "..", "examples", "demo.py")
+    launcher = subprocess.Popen([sys.executable, "-m", "kparallax.launch", "--workers", "2", "--ps", "1", "--quiet",
+                                 "--log_dir", str(tmp_path), "--timeout", "240", "--", sys.executable, demo,
+                                 "--epochs", "50"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "worker-0.log"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and "Epoch 2/" not in (log.read_text() if log.exists() else ""):
+        time.sleep(0.5)
+    pid = testing.pid_of_task(str(tmp_path), "ps")
+    assert pid, "PS task not found"
+    os.kill(pid, 9)
+    killed = time.monotonic()
+    output, _ = launcher.communicate(timeout=60)
+    assert time.monotonic() - killed < 30
+    assert launcher.returncode != 0 and "ps 0 exited unexpectedly with code -9" in output, output[-2000:]
+    assert _processes_of_run(str(tmp_path)) == []

@@ -31,7 +31,8 @@ def main(out_dir, names, options):
             with open(os.path.join(out_dir, f"{name}.json"), "w", encoding="utf-8") as f:
                 json.dump({"iterations": int(model.optimizer.iterations.numpy()),
                            "push_counts": strategy.push_counts(),
-                           "num_weights": len(model.weights)}, f)
+                           "num_weights": len(model.weights),
+                           "forwarded": os.environ.get("KP_TEST_FORWARDED")}, f)
             print(f"{name}: trained {model.optimizer.iterations.numpy()} steps", flush=True)
 
 

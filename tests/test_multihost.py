@@ -1,0 +1,168 @@
+"""Multi-host runs for real on one machine: two network namespaces are two hosts (per-host and ssh modes),
+TF_CONFIG jobs without the launcher, and failure propagation across hosts."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import portpicker
+import pytest
+
+from kparallax import testing
+
+sys.path.insert(0, os.path.dirname(__file__))
+from netns import ADDRESSES, NetnsPair  # noqa: E402
+
+PROGRAMS = os.path.join(os.path.dirname(__file__), "programs")
+sys.path.insert(0, PROGRAMS)
+import equivalence_common as common  # noqa: E402
+
+RTOL, ATOL = 1e-5, 1e-6
+NAMES = ("adam", "momentum")
+CLUSTER = f"""
+hosts:
+  - host: {ADDRESSES[0]}
+    workers: 1
+    ps: 1
+  - host: {ADDRESSES[1]}
+    workers: 1
+"""
+LAUNCH = [sys.executable, "-m", "kparallax.launch"]
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    pair = NetnsPair(os.getpid() % 10000)
+    reason = pair.up()
+    if reason:
+        pytest.skip(f"multi-host tests need network namespaces: {reason}")
+    yield pair
+    pair.down()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference")
+    done = subprocess.run([sys.executable, os.path.join(PROGRAMS, "train_reference.py"), str(out), ",".join(NAMES)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def _cluster_file(tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(CLUSTER)
+    return str(path)
+
+
+def _assert_matches_reference(out, reference):
+    for name in NAMES:
+        got, ref = np.load(out / f"{name}.npz"), np.load(reference / f"{name}.npz")
+        for key in [k for k in ref.files if k.startswith("arr_")]:
+            np.testing.assert_allclose(got[key], ref[key], rtol=RTOL, atol=ATOL, err_msg=f"{name} {key}")
+
+
+def _wait_all(processes, timeout):
+    deadline = time.monotonic() + timeout
+    outputs = []
+    for p in processes:
+        try:
+            out, _ = p.communicate(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in processes:
+                q.kill()
+            raise AssertionError("a launcher did not exit in time: " + " | ".join(
+                (q.communicate()[0] or "")[-2000:] for q in processes)) from None
+        outputs.append(out)
+    return outputs
+
+
+@pytest.mark.multiprocess
+def test_per_host_mode_two_hosts_matches_single_process(hosts, reference, tmp_path):
+    cluster, out = _cluster_file(tmp_path), tmp_path / "out"
+    out.mkdir()
+    train = ["--", sys.executable, os.path.join(PROGRAMS, "train_kparallax.py"), str(out), ",".join(NAMES)]
+    launchers = [subprocess.Popen(hosts.command(i, LAUNCH + ["--cluster", cluster, "--host-index", str(i),
+                                                            "--log_dir", str(tmp_path / f"host{i}"),
+                                                            "--timeout", "240"] + train),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for i in (1, 0)]
+    outputs = _wait_all(launchers, 300)
+    assert [p.returncode for p in launchers] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    _assert_matches_reference(out, reference)
+    assert "[worker 0] adam: trained 12 steps" in outputs[1]
+    resolved = json.loads((tmp_path / "host0" / "cluster.json").read_text())
+    assert resolved["ps"] == [f"{ADDRESSES[0]}:2222"] and resolved["coordinator"] == f"{ADDRESSES[0]}:29400"
+    assert (tmp_path / "host1" / "worker-1.log").exists() and (tmp_path / "host0" / "ps-0.log").exists()
+
+
+@pytest.mark.multiprocess
+def test_ssh_mode_starts_every_host_and_forwards_env(hosts, reference, tmp_path):
+    cluster, out = _cluster_file(tmp_path), tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, PATH=os.path.join(PROGRAMS, "fake_ssh") + os.pathsep + os.environ["PATH"],
+               KP_FAKE_SSH_NETNS=f"{ADDRESSES[0]}={hosts.names[0]},{ADDRESSES[1]}={hosts.names[1]}",
+               KP_TEST_FORWARDED="from-the-launching-host")
+    done = subprocess.run(LAUNCH + ["--cluster", cluster, "-x", "KP_TEST_FORWARDED", "--ssh-port", "22",
+                                    "--log_dir", str(tmp_path / "logs"), "--timeout", "240", "--",
+                                    sys.executable, os.path.join(PROGRAMS, "train_kparallax.py"), str(out),
+                                    ",".join(NAMES)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    _assert_matches_reference(out, reference)
+    assert json.loads((out / "adam.json").read_text())["forwarded"] == "from-the-launching-host"
+    assert "[worker 0] momentum: trained 12 steps" in done.stdout
+
+
+@pytest.mark.multiprocess
+def test_killing_a_ps_on_one_host_stops_both_hosts(hosts, tmp_path):
+    cluster = _cluster_file(tmp_path)
+    train = ["--", sys.executable, os.path.join(os.path.dirname(__file__), "..", "examples", "demo.py"),
+             "--epochs", "50"]
+    launchers = [subprocess.Popen(hosts.command(i, LAUNCH + ["--cluster", cluster, "--host-index", str(i),
+                                                            "--log_dir", str(tmp_path / f"host{i}"), "--quiet",
+                                                            "--timeout", "240"] + train),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for i in (0, 1)]
+    log = tmp_path / "host0" / "worker-0.log"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and "Epoch 2/" not in (log.read_text() if log.exists() else ""):
+        time.sleep(0.5)
+    ps_pid = testing.pid_of_task(str(tmp_path / "host0"), "ps")
+    assert ps_pid, "PS task not found"
+    os.kill(ps_pid, signal.SIGKILL)
+    killed = time.monotonic()
+    outputs = _wait_all(launchers, 60)
+    elapsed = time.monotonic() - killed
+    assert elapsed < 30, f"the run took {elapsed:.0f} s to stop"
+    assert all(p.returncode != 0 for p in launchers), outputs
+    assert "ps 0 exited unexpectedly with code -9" in outputs[0]
+    assert "ps 0 on host 0 (10.77.0.1) exited unexpectedly" in outputs[1] or "worker" in outputs[1], outputs[1][-2000:]
+
+
+@pytest.mark.multiprocess
+def test_tf_config_job_without_launcher(reference, tmp_path):
+    """Kubernetes TFJob style: a chief, a worker and a ps, each started with its own TF_CONFIG."""
+    ps, chief, worker = (f"127.0.0.1:{portpicker.pick_unused_port()}" for _ in range(3))
+    spec = {"ps": [ps], "chief": [chief], "worker": [worker]}
+    out = tmp_path / "out"
+    out.mkdir()
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "KPARALLAX_"))}
+
+    def start(task_type, index, argv):
+        env = dict(base, TF_CONFIG=json.dumps({"cluster": spec, "task": {"type": task_type, "index": index}}))
+        return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    train = [sys.executable, os.path.join(PROGRAMS, "train_kparallax.py"), str(out), ",".join(NAMES)]
+    ps_process = start("ps", 0, [sys.executable, "-m", "kparallax.ps"])
+    try:
+        workers = [start("chief", 0, train), start("worker", 0, train)]
+        outputs = _wait_all(workers, 300)
+        assert [p.returncode for p in workers] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    finally:
+        ps_process.send_signal(signal.SIGTERM)
+        ps_process.wait(timeout=30)
+    _assert_matches_reference(out, reference)
