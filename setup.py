@@ -7,6 +7,7 @@ setup(
     version="0.1.0",
     description="Hybrid allreduce + parameter-server training of unchanged tf.keras models",
     packages=find_packages(include=["kparallax", "kparallax.*"]),
+    package_data={"kparallax": ["native/*.c"]},
     python_requires=">=3.11,<3.12",
     install_requires=[
         "tensorflow-cpu==2.15.1",

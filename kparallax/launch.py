@@ -26,6 +26,7 @@ import uuid
 import portpicker
 
 from kparallax import _tasks
+from kparallax import bind_address
 from kparallax import cluster as cluster_lib
 from kparallax import cluster_file
 from kparallax import options as options_lib
@@ -58,6 +59,9 @@ def _parser():
                                                        "local mode, derived from the cluster and command otherwise)")
     parser.add_argument("--timeout", type=float, default=0.0,
                         help="stop every task and fail if the run takes longer than this many seconds (0: never)")
+    parser.add_argument("--bind-all", "--bind_all", dest="bind_all", action="store_true",
+                        help="let TensorFlow's servers listen on all interfaces (default: only the task's cluster "
+                             "address, enforced with a small LD_PRELOAD library)")
     parser.add_argument("--quiet", action="store_true", help="do not stream worker 0's output to the terminal")
     parser.add_argument("--cluster-json", dest="cluster_json", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--stdin-watch", dest="stdin_watch", action="store_true", help=argparse.SUPPRESS)
@@ -129,6 +133,13 @@ def _base_env(args, ps_hosts, worker_hosts, run_id, log_dir, connect_lock=None):
     return env
 
 
+def bind_env(args, host):
+    """LD_PRELOAD + KPARALLAX_BIND_ADDRESS so that the tasks' servers listen on ``host`` only (unless --bind-all)."""
+    if args.bind_all:
+        return {}
+    return bind_address.env_for(host, bind_address.library())
+
+
 def _write_cluster_json(log_dir, cluster, plan=None):
     data = dataclasses.asdict(cluster)
     if plan is not None:
@@ -164,6 +175,11 @@ def run_local(args):
                                   connect_lock=os.path.join(log_dir, "connect.lock"))
     _write_cluster_json(log_dir, cluster)
     base_env = _base_env(args, ps_hosts, worker_hosts, run_id, log_dir, cluster.connect_lock)
+    try:
+        base_env.update(bind_env(args, "127.0.0.1"))
+    except RuntimeError as e:
+        print(f"kparallax-run: {e}", file=sys.stderr)
+        return 2
     tasks, failure, interrupted, coordinator = [], None, False, None
     restore = _interruptible()
     try:

@@ -91,6 +91,11 @@ def run_host(args):
               "on that host, or give the host an 'interface' in the cluster file. "
               f"Received: host={spec.host}, --host-index={i}.", file=sys.stderr)
         return 2
+    try:
+        base_env.update(launch.bind_env(args, spec.host))
+    except (RuntimeError, OSError) as e:
+        print(f"kparallax-run: {e}", file=sys.stderr)
+        return 2
     problem = _hostname_problem(plan, spec)
     if problem:
         print(f"kparallax-run: {problem}", file=sys.stderr)
@@ -247,6 +252,8 @@ def run_ssh(args):
                 remote += ["--architecture", args.architecture]
             if args.quiet:
                 remote.append("--quiet")
+            if args.bind_all:
+                remote.append("--bind-all")
             remote_command = (f"cd {shlex.quote(os.getcwd())} > /dev/null 2>&1 && "
                               f"env {forwarded} {shlex.join(remote + ['--'] + list(args.command))}")
             ssh = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no"]

@@ -1,5 +1,6 @@
 """Tier 3: kparallax-run with real PS tasks and Horovod workers; failures are fast and name the task."""
 
+import json
 import os
 import subprocess
 import sys
@@ -94,6 +95,11 @@ def test_killing_the_ps_ends_the_run_within_30s_naming_it(tmp_path):
         time.sleep(0.5)
     pid = testing.pid_of_task(str(tmp_path), "ps")
     assert pid, "PS task not found"
+    port = json.loads((tmp_path / "cluster.json").read_text())["ps"][0].rsplit(":", 1)[1]
+    listening = [line.split()[3] for line in subprocess.run(["ss", "-Hltn"], capture_output=True, text=True,
+                                                               check=True).stdout.splitlines()]
+    mine = [address for address in listening if address.endswith(f":{port}")]
+    assert mine and all("127.0.0.1" in a for a in mine), f"PS must listen on 127.0.0.1 only: {mine}"
     os.kill(pid, 9)
     killed = time.monotonic()
     output, _ = launcher.communicate(timeout=60)

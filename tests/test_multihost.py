@@ -133,6 +133,9 @@ def test_killing_a_ps_on_one_host_stops_both_hosts(hosts, tmp_path):
         time.sleep(0.5)
     ps_pid = testing.pid_of_task(str(tmp_path / "host0"), "ps")
     assert ps_pid, "PS task not found"
+    listening = subprocess.run(hosts.command(0, ["ss", "-Hltn"]), capture_output=True, text=True, check=True).stdout
+    ps_sockets = [line.split()[3] for line in listening.splitlines() if line.split()[3].endswith(":2222")]
+    assert ps_sockets and all(ADDRESSES[0] in a for a in ps_sockets), f"PS must listen on {ADDRESSES[0]} only"
     os.kill(ps_pid, signal.SIGKILL)
     killed = time.monotonic()
     outputs = _wait_all(launchers, 60)
