@@ -143,3 +143,16 @@ def reset_train_function(model):
     """Makes ``Model.fit`` retrace its train step (for example after a layer's variables were replaced)."""
     model.train_function = None
     model.train_function = model.make_train_function(force=True)
+
+
+def share_learning_rate(clone, source):
+    """Makes ``clone`` read ``source``'s learning-rate variable, so callbacks that assign a new rate to the
+    optimizer Keras trains with (LearningRateScheduler, ReduceLROnPlateau, warm-up) reach the PS-side clones too.
+    Only for Keras 2.11+ optimizers with a constant (variable) rate; schedules are cloned and follow the step."""
+    if optimizer_family(clone) != "new" or optimizer_family(source) != "new":
+        return False
+    rate = getattr(source, "_learning_rate", None)
+    if isinstance(rate, tf.Variable):
+        clone._learning_rate = rate  # pylint: disable=protected-access
+        return True
+    return False

@@ -108,3 +108,110 @@ class Throughput(tf.keras.callbacks.Callback):
             return
         rate = self._steps * self._global_batch / (time.perf_counter() - self._start)
         logs[f"{self._unit}_per_sec"] = rate
+
+
+def _learning_rate(optimizer):
+    rate = optimizer.learning_rate
+    if callable(rate) and not isinstance(rate, tf.Variable):
+        rate = rate(optimizer.iterations)
+    return float(tf.keras.backend.get_value(rate))
+
+
+def sent_bytes(model):
+    """(dense, sparse) bytes this worker has sent so far: allreduce payload and PS pushes (0, 0 before training)."""
+    router = getattr(model.optimizer, "_kp_router", None)
+    if router is None or router.sent_bytes is None:
+        return 0, 0
+    return int(router.sent_bytes["dense"].numpy()), int(router.sent_bytes["sparse"].numpy())
+
+
+class StepLogger(tf.keras.callbacks.Callback):
+    """Every ``every`` steps, adds ``<unit>_per_sec`` (global, over the last ``every`` steps) to the batch logs and
+    prints ``step N: loss ... perplexity ... <unit>/s ...`` on the chief.
+
+    Args:
+      every: steps between reports.
+      global_batch_size: items per step summed over workers (e.g. words: batch x num_steps x workers).
+      unit: what is counted (``"words"``, ``"images"``).
+      is_chief: print only where True (pass ``strategy.is_chief``).
+    """
+
+    def __init__(self, every, global_batch_size, unit="samples", is_chief=True):
+        super().__init__()
+        if every < 1:
+            raise ValueError(f"every must be >= 1. Received: every={every}.")
+        self._every, self._global_batch, self._unit, self._chief = every, global_batch_size, unit, is_chief
+        self._step, self._mark = 0, None
+
+    def on_train_begin(self, logs=None):
+        self._mark = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._step += 1
+        if self._step % self._every or logs is None:
+            return
+        now = time.perf_counter()
+        logs[f"{self._unit}_per_sec"] = self._every * self._global_batch / (now - self._mark)
+        self._mark = now
+        if self._chief:
+            shown = " ".join(f"{k} {v:.4g}" for k, v in logs.items() if isinstance(v, (int, float)))
+            print(f"step {self._step}: {shown}", flush=True)
+
+
+class LearningRateWarmup(tf.keras.callbacks.Callback):
+    """Linear warm-up of the learning rate to ``target`` over ``warmup_steps`` optimizer steps, then constant.
+
+    Under kparallax the PS-side optimizer clones read the same learning-rate variable, so both paths warm up.
+    """
+
+    def __init__(self, target, warmup_steps):
+        super().__init__()
+        if warmup_steps < 1 or target <= 0:
+            raise ValueError(f"LearningRateWarmup needs target > 0 and warmup_steps >= 1. Received: target={target}, "
+                             f"warmup_steps={warmup_steps}.")
+        self._target, self._steps = float(target), int(warmup_steps)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        step = int(self.model.optimizer.iterations.numpy())
+        if step <= self._steps:
+            self.model.optimizer.learning_rate.assign(self._target * min(1.0, (step + 1) / self._steps))
+
+
+class TensorBoardScalars(tf.keras.callbacks.Callback):
+    """Writes scalars to TensorBoard event files on the chief only, every ``every`` steps: the numeric batch logs
+    (loss, perplexity, throughput, ...), ``learning_rate``, and ``bytes_per_step/dense`` and
+    ``bytes_per_step/sparse`` (what this worker sent per step since the last write: allreduce payload, PS pushes).
+
+    Args:
+      log_dir: directory for the event files.
+      every: steps between writes.
+      is_chief: write only where True (pass ``strategy.is_chief``).
+    """
+
+    def __init__(self, log_dir, every=10, is_chief=True):
+        super().__init__()
+        self._log_dir, self._every, self._chief = log_dir, every, is_chief
+        self._writer, self._step, self._last = None, 0, (0, 0)
+
+    def on_train_begin(self, logs=None):
+        if self._chief and self._writer is None:
+            self._writer = tf.summary.create_file_writer(self._log_dir)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._step += 1
+        if not self._chief or self._step % self._every:
+            return
+        dense, sparse = sent_bytes(self.model)
+        with self._writer.as_default(step=self._step):
+            for key, value in (logs or {}).items():
+                if isinstance(value, (int, float, np.number)):
+                    tf.summary.scalar(key, float(value))
+            tf.summary.scalar("learning_rate", _learning_rate(self.model.optimizer))
+            tf.summary.scalar("bytes_per_step/dense", (dense - self._last[0]) / self._every)
+            tf.summary.scalar("bytes_per_step/sparse", (sparse - self._last[1]) / self._every)
+        self._last = (dense, sparse)
+        self._writer.flush()
+
+    def on_train_end(self, logs=None):
+        if self._writer is not None:
+            self._writer.flush()

@@ -8,6 +8,9 @@ of the original arrays: the global batch a single process would see with ``batch
 A ``tf.data.Dataset`` (already batched, as Keras expects) is split by whole batches: worker ``i`` keeps batches
 ``i, i+N, ...`` (``Dataset.shard``), after the batch count is cut to a multiple of ``N`` so that every worker runs
 the same number of steps. A dataset of unknown length needs ``steps_per_epoch``.
+
+A dataset that each worker already reads its own part of (say, its own files) is marked with ``per_worker``;
+``fit`` then uses it as is, after checking that every worker runs the same number of steps per epoch.
 """
 
 import tensorflow as tf
@@ -61,3 +64,40 @@ def check_supported(x):
     raise TypeError(
         "kparallax shards NumPy arrays, tensors and tf.data.Dataset inputs. Generators and keras.utils.Sequence "
         f"are not supported yet: wrap them in tf.data.Dataset.from_generator. Received: {type(x).__name__}.")
+
+
+_PER_WORKER = "_kparallax_per_worker"
+
+
+def per_worker(dataset):
+    """Marks a batched ``tf.data.Dataset`` as this worker's own share of the data: ``fit`` will not shard it.
+
+    Every worker must run the same number of steps per epoch (give ``steps_per_epoch`` or a dataset of known
+    length); ``fit`` checks this across workers before training and names the counts if they differ.
+    """
+    if not is_dataset(dataset):
+        raise TypeError(f"per_worker takes a tf.data.Dataset. Received: {type(dataset).__name__}.")
+    setattr(dataset, _PER_WORKER, True)
+    return dataset
+
+
+def is_per_worker(x):
+    return is_dataset(x) and getattr(x, _PER_WORKER, False)
+
+
+def local_steps(dataset, steps_per_epoch):
+    if steps_per_epoch is not None:
+        return int(steps_per_epoch)
+    cardinality = int(dataset.cardinality())
+    if cardinality < 0:
+        raise ValueError("A per_worker dataset of unknown or infinite length needs steps_per_epoch (the same on "
+                         f"every worker). Received: cardinality={cardinality}, steps_per_epoch=None.")
+    return cardinality
+
+
+def min_over_workers(value):
+    """The smallest ``value`` over all workers (e.g. steps per epoch of per-worker data). A collective."""
+    import horovod.tensorflow as hvd  # pylint: disable=import-outside-toplevel
+    if hvd.size() == 1:
+        return value
+    return min(hvd.allgather_object(value, name="kp_min_over_workers"))

@@ -49,6 +49,21 @@ class Router:
         self.accumulator = (accumulation.GradientAccumulator(options.backward_passes_per_step)
                             if options.backward_passes_per_step > 1 else None)
         self._logged = False
+        self.sent_bytes = None  # {"dense": int64 variable, "sparse": int64 variable}: bytes this worker sent
+
+    @tf.autograph.experimental.do_not_convert
+    def count_sent(self, dense_grads):
+        """Ops adding this step's bytes to the counters: the dense allreduce payload and the PS pushes."""
+        if self.sent_bytes is None:
+            with tf.init_scope():
+                self.sent_bytes = {k: tf.Variable(0, dtype=tf.int64, trainable=False, name=f"kp_{k}_bytes_sent")
+                                   for k in ("dense", "sparse")}
+        dense = [g.values if isinstance(g, tf.IndexedSlices) else g for g, _ in dense_grads]
+        dense += [g.indices for g, _ in dense_grads if isinstance(g, tf.IndexedSlices)]
+        dense_bytes = tf.add_n([tf.cast(tf.size(t), tf.int64) * t.dtype.size for t in dense] or [tf.constant(0, tf.int64)])
+        sparse_bytes = tf.add_n(self.aggregator.pushed_bytes or [tf.constant(0, tf.int64)])
+        self.aggregator.pushed_bytes = []
+        return [self.sent_bytes["dense"].assign_add(dense_bytes), self.sent_bytes["sparse"].assign_add(sparse_bytes)]
 
     def split(self, grads_and_vars):
         dense, ps = [], []
@@ -86,6 +101,7 @@ class _RoutingMixin:
     def _kp_step(self, dense, ps, args, kwargs):
         router = self._kp_router
         ps_done = router.aggregator.push_and_apply(ps)
+        ps_done = list(ps_done) + router.count_sent(dense)
         if dense:
             dense = allreduce.average_gradients(dense, router.num_workers, control_inputs=ps_done,
                                                 compression=router.options.compression,

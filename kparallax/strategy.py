@@ -250,7 +250,9 @@ class HybridStrategy:
                                              sync=self._options.sync)
         router = optimizer_lib.Router(self._options, self.num_workers, self.is_ps_variable, aggregator)
         self._aggregators.append(aggregator)
-        return optimizer_lib.wrap(optimizer, router)
+        wrapped = optimizer_lib.wrap(optimizer, router)
+        aggregator.learning_rate_source = wrapped
+        return wrapped
 
     def push_counts(self):
         """{PS variable path: pushes received} over every model compiled in this strategy (read from the PS)."""

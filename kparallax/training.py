@@ -79,7 +79,9 @@ def _fit(model, *args, **kwargs):
     a = bound.arguments
     n, index = strategy.num_workers, strategy.worker_index
     data_lib.check_supported(a["x"])
-    if data_lib.is_dataset(a["x"]):
+    if data_lib.is_per_worker(a["x"]):
+        _check_same_steps(strategy, data_lib.local_steps(a["x"], a["steps_per_epoch"]))
+    elif data_lib.is_dataset(a["x"]):
         a["x"] = data_lib.shard_dataset(a["x"], n, index, a["steps_per_epoch"])
     else:
         arrays = (a["x"], a["y"], a["sample_weight"])
@@ -98,6 +100,17 @@ def _fit(model, *args, **kwargs):
     a["callbacks"] = ours + user_callbacks
     with strategy.scope():
         return _call("fit", bound)
+
+
+def _check_same_steps(strategy, steps):
+    if strategy.num_workers == 1:
+        return
+    import horovod.tensorflow as hvd  # pylint: disable=import-outside-toplevel
+    counts = [int(c) for c in hvd.allgather_object(steps, name="kp_steps_per_epoch")]
+    if len(set(counts)) != 1:
+        raise ValueError(f"Every worker must run the same number of steps per epoch, or the collectives hang. "
+                         f"Received: steps per worker {counts}. Pass steps_per_epoch=min(...) (for example "
+                         f"{min(counts)}) and repeat the dataset.")
 
 
 def _run_quietly_on_workers(name, model, *args, **kwargs):

@@ -30,6 +30,10 @@ def dedup(grad):
     return ids, tf.math.unsorted_segment_sum(grad.values, index, tf.shape(ids)[0])
 
 
+def _nbytes(tensor):
+    return tf.cast(tf.size(tensor), tf.int64) * tensor.dtype.size
+
+
 class SparseAggregator:
     """Owns the accumulators and per-variable optimizer clones of the PS variables of one model.
 
@@ -56,6 +60,8 @@ class SparseAggregator:
         self._counters = {}
         self._optimizers = {}
         self._sink = None
+        self.pushed_bytes = []
+        self.learning_rate_source = None  # the optimizer Keras trains with; clones read its learning rate  # while tracing a step: scalar tensors, bytes this worker pushes to the PS
 
     # Variables next to each PS variable ---------------------------------------------------------------
     @tf.autograph.experimental.do_not_convert
@@ -95,6 +101,8 @@ class SparseAggregator:
             with tf.init_scope(), tf.device(variable.device), \
                     (self._shared_slots(variable) if not self._sync else contextlib.nullcontext()):
                 clone = _compat.clone_optimizer(self._optimizer)
+                if self.learning_rate_source is not None:
+                    _compat.share_learning_rate(clone, self.learning_rate_source)
                 _compat.build_optimizer(clone, [variable])
             self._optimizers[key] = clone
         return self._optimizers[key]
@@ -204,6 +212,7 @@ class SparseAggregator:
                 pushes.append(self._accumulator(variable).scatter_add(tf.IndexedSlices(rows, ids)))
                 pushes.append(self._counter(variable).assign_add(1))
             pushed_ids.append(ids)
+            self.pushed_bytes.append(_nbytes(rows) + _nbytes(ids))
         return pushes, pushed_ids, []
 
     def _push_dense(self, dense):
@@ -219,6 +228,7 @@ class SparseAggregator:
             with tf.device(variable.device):
                 pushes.append(self._accumulator(variable).assign_add(grad))
                 pushes.append(self._counter(variable).assign_add(1))
+            self.pushed_bytes.append(_nbytes(grad))
         return pushes, []
 
     def _scale(self, value):
@@ -249,6 +259,9 @@ class SparseAggregator:
             if isinstance(grad, tf.IndexedSlices):
                 ids, rows = dedup(grad)
                 grad = tf.IndexedSlices(rows, ids, dense_shape=tf.constant(variable.shape.as_list(), tf.int64))
+                self.pushed_bytes.append(_nbytes(rows) + _nbytes(ids))
+            else:
+                self.pushed_bytes.append(_nbytes(grad))
             with tf.device(variable.device):
                 applied = self.table_optimizer(variable).apply_gradients([(grad, variable)])
                 with tf.control_dependencies([applied] if applied is not None else []):
