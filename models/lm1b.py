@@ -11,6 +11,8 @@ from typing import Any, Dict
 
 import tensorflow as tf
 
+from models import presets
+
 
 @dataclasses.dataclass(frozen=True)
 class LMConfig:
@@ -39,19 +41,14 @@ class LMConfig:
             raise ValueError(f"dropout must be in [0, 1). Received: dropout={self.dropout!r}.")
 
 
-PRESETS: Dict[str, LMConfig] = {
-    "lm1b": LMConfig(),
-    "lm1b_small": LMConfig(vocab_size=100000, embedding_dim=256, lstm_units=512, projection_dim=256,
-                           num_sampled=1024, batch_size=32),
-    "lm1b_tiny": LMConfig(vocab_size=2000, embedding_dim=32, lstm_units=64, projection_dim=32, num_sampled=128,
-                          num_steps=10, batch_size=16, learning_rate=0.2),
-}
-
-
 def preset(name, **overrides):
-    if name not in PRESETS:
-        raise ValueError(f"Unknown LM1B preset {name!r}; choose one of {sorted(PRESETS)}. Received: {name!r}.")
-    return dataclasses.replace(PRESETS[name], **overrides)
+    """The preset ``name`` (``configs/<name>.json``, or a path to a JSON config) with ``overrides`` applied."""
+    fields = presets.load("lm1b", name)
+    fields.update(overrides)
+    try:
+        return LMConfig(**fields)
+    except TypeError as e:
+        raise ValueError(f"Bad LM1B config {name!r}: {e}. Received: {sorted(fields)}.") from None
 
 
 class LSTMProjectionCell(tf.keras.layers.Layer):

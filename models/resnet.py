@@ -5,9 +5,11 @@ epsilon 1e-5. Dense only: under kparallax ``hybrid`` it trains as ``allreduce`` 
 """
 
 import dataclasses
-from typing import Dict, Tuple
+from typing import Tuple
 
 import tensorflow as tf
+
+from models import presets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,17 +26,15 @@ class ResNetConfig:
             raise ValueError(f"Invalid ResNetConfig. Received: {self}.")
 
 
-PRESETS: Dict[str, ResNetConfig] = {
-    "resnet50": ResNetConfig(),
-    "resnet50_small": ResNetConfig(image_size=64, num_classes=100, batch_size=32),
-    "resnet50_tiny": ResNetConfig(image_size=32, num_classes=10, blocks=(1, 1, 1, 1), base_filters=8, batch_size=8),
-}
-
-
 def preset(name, **overrides):
-    if name not in PRESETS:
-        raise ValueError(f"Unknown ResNet preset {name!r}; choose one of {sorted(PRESETS)}. Received: {name!r}.")
-    return dataclasses.replace(PRESETS[name], **overrides)
+    """The preset ``name`` (``configs/<name>.json``, or a path to a JSON config) with ``overrides`` applied."""
+    fields = presets.load("resnet", name)
+    fields.update(overrides)
+    fields["blocks"] = tuple(fields.get("blocks", (3, 4, 6, 3)))
+    try:
+        return ResNetConfig(**fields)
+    except TypeError as e:
+        raise ValueError(f"Bad ResNet config {name!r}: {e}. Received: {sorted(fields)}.") from None
 
 
 def _bn(name):

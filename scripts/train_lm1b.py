@@ -28,7 +28,7 @@ from absl import logging
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("config", "lm1b_small", ["lm1b", "lm1b_small", "lm1b_tiny"], "Model preset.")
+flags.DEFINE_string("config", "lm1b_small", "Preset in configs/ (lm1b, lm1b_small, lm1b_tiny) or a JSON path.")
 flags.DEFINE_enum("data", "lm1b", ["lm1b", "synthetic"], "LM1B files under --data_dir, or synthetic Zipf ids.")
 flags.DEFINE_string("data_dir", "data/lm1b_offline", "Directory in the LM1B layout.")
 flags.DEFINE_string("model_dir", "/tmp/kparallax_lm1b", "Where config.json and TensorBoard files go.")
@@ -91,7 +91,10 @@ def main(argv):
     _prepare_model_dir(FLAGS.model_dir, strategy.is_chief)
     overrides = {k: getattr(FLAGS, k) for k in ("batch_size", "num_steps", "learning_rate")
                  if getattr(FLAGS, k) is not None}
-    config = lm1b.preset(FLAGS.config, **overrides)
+    try:
+        config = lm1b.preset(FLAGS.config, **overrides)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
     n, index = strategy.num_workers, strategy.worker_index
 
     heldout = None

@@ -25,7 +25,7 @@ from absl import flags
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("config", "resnet50_small", ["resnet50", "resnet50_small", "resnet50_tiny"], "Model preset.")
+flags.DEFINE_string("config", "resnet50_small", "Preset in configs/ (resnet50, resnet50_small, resnet50_tiny) or a JSON path.")
 flags.DEFINE_enum("data", "imagenet", ["imagenet", "synthetic"], "ImageNet TFRecords under --data_dir, or synthetic.")
 flags.DEFINE_string("data_dir", "data/imagenet", "Directory of train-*-of-* / validation-*-of-* TFRecords.")
 flags.DEFINE_string("model_dir", "/tmp/kparallax_resnet50", "Where config.json and TensorBoard files go.")
@@ -49,7 +49,10 @@ def main(argv):
     tf.keras.utils.set_random_seed(FLAGS.seed)
     strategy = kp.HybridStrategy(kp.Cluster.from_env(), architecture=FLAGS.architecture)
     overrides = {k: getattr(FLAGS, k) for k in ("batch_size", "learning_rate") if getattr(FLAGS, k) is not None}
-    config = resnet.preset(FLAGS.config, **overrides)
+    try:
+        config = resnet.preset(FLAGS.config, **overrides)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
     n, index = strategy.num_workers, strategy.worker_index
     if FLAGS.data == "synthetic":
         data = imagenet_data.synthetic(config.batch_size, config.image_size, config.num_classes, seed=FLAGS.seed)

@@ -127,3 +127,15 @@ def test_imagenet_records_round_trip_through_preprocessing(tmp_path):
     assert sorted(labels.numpy().tolist()) == [0, 1, 2, 999]
     evaluation = next(iter(imagenet_data.dataset([path], 32, 4, training=False)))[0]
     assert evaluation.shape == (4, 32, 32, 3) and abs(float(tf.reduce_mean(evaluation))) < 3
+
+
+def test_presets_are_the_json_files_in_configs(tmp_path):
+    assert lm1b.preset("lm1b_small").vocab_size == 100000
+    assert resnet.preset("resnet50").blocks == (3, 4, 6, 3)
+    custom = tmp_path / "mine.json"
+    custom.write_text('{"model": "lm1b", "vocab_size": 500, "num_sampled": 50}')
+    assert lm1b.preset(str(custom)).vocab_size == 500
+    with pytest.raises(ValueError, match=r"Unknown lm1b preset 'lm2b'; choose one of \['lm1b', 'lm1b_small', 'lm1b_tiny'\]"):
+        lm1b.preset("lm2b")
+    with pytest.raises(ValueError, match=r"is not a resnet config"):
+        resnet.preset(str(custom))

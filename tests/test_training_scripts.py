@@ -112,6 +112,9 @@ def test_bad_flags_and_data_give_one_clear_error(tmp_path):
     unwritable = subprocess.run([sys.executable, LM1B, "--data=synthetic", f"--model_dir={tmp_path}/ro/file/sub"],
                                 capture_output=True, text=True, timeout=120, check=False)
     assert unwritable.returncode != 0 and "--model_dir is not writable" in unwritable.stderr
+    preset = subprocess.run([sys.executable, LM1B, "--config=lm2b", "--data=synthetic", f"--model_dir={tmp_path}/p"],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert preset.returncode != 0 and "Unknown lm1b preset 'lm2b'" in preset.stderr
     bad = subprocess.run([sys.executable, LM1B, "--partitions=zero"], capture_output=True, text=True, timeout=120,
                          check=False)
     assert bad.returncode != 0 and "--partitions must be an integer >= 1 or 'auto'" in bad.stderr
