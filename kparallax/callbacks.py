@@ -215,3 +215,67 @@ class TensorBoardScalars(tf.keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         if self._writer is not None:
             self._writer.flush()
+
+
+class Checkpoint(tf.keras.callbacks.Callback):
+    """Worker 0 writes an atomic checkpoint of everything (``kparallax.checkpoint``) every ``every_steps``
+    optimizer steps and at the end of training, keeping the ``keep`` newest.
+
+    Args:
+      strategy: the ``HybridStrategy``.
+      directory: where ``ckpt-<step>/`` and ``checkpoint.json`` go (visible to every worker for resuming).
+      every_steps: optimizer steps between checkpoints.
+      keep: checkpoints kept.
+      extra: optional callable returning a JSON-able dict saved with each checkpoint (e.g. the data position).
+    """
+
+    def __init__(self, strategy, directory, every_steps, keep=3, extra=None):
+        super().__init__()
+        if every_steps < 1:
+            raise ValueError(f"every_steps must be >= 1. Received: every_steps={every_steps}.")
+        self._strategy, self._directory, self._every, self._keep, self._extra = (
+            strategy, directory, every_steps, keep, extra)
+        self._last = None
+        self.bad_loss_step = None  # set when training stopped on a NaN/Inf loss
+
+    def _save(self):
+        from kparallax import checkpoint  # pylint: disable=import-outside-toplevel
+        step = int(self.model.optimizer.iterations.numpy())
+        if step != self._last:
+            checkpoint.save(self._strategy, self.model, self._directory,
+                            extra=self._extra() if self._extra else None, keep=self._keep)
+            self._last = step
+
+    def on_train_batch_end(self, batch, logs=None):
+        loss = (logs or {}).get("loss")
+        if loss is not None and not np.isfinite(loss):
+            # The loss is averaged over workers, so every worker stops at this same step.
+            self.bad_loss_step = int(self.model.optimizer.iterations.numpy())
+            self.model.stop_training = True
+            if self._strategy.is_chief:
+                from kparallax import checkpoint  # pylint: disable=import-outside-toplevel
+                print(f"loss is {loss} at step {self.bad_loss_step}: training stopped; the last good checkpoint "
+                      f"is kept: {checkpoint.latest(self._directory)}", flush=True)
+            return
+        if self._strategy.is_chief and int(self.model.optimizer.iterations.numpy()) % self._every == 0:
+            self._save()
+
+    def on_train_end(self, logs=None):
+        if self._strategy.is_chief and self.bad_loss_step is None:
+            self._save()
+
+
+class StopAtStep(tf.keras.callbacks.Callback):
+    """Stops ``fit`` once the optimizer has made ``total_steps`` steps (so a resumed run ends where it should)."""
+
+    def __init__(self, total_steps):
+        super().__init__()
+        self._total = total_steps
+
+    def on_train_batch_end(self, batch, logs=None):
+        if int(self.model.optimizer.iterations.numpy()) >= self._total:
+            self.model.stop_training = True
+
+    def on_train_begin(self, logs=None):
+        if int(self.model.optimizer.iterations.numpy()) >= self._total:
+            self.model.stop_training = True

@@ -133,11 +133,24 @@ def _get_weights(layer):
 
 
 def _set_weights(layer, weights):
+    """Whole tables are split over their shards; under a strategy, only worker 0 writes PS variables (one shared
+    copy: the others' writes would race with worker 0's later ones, e.g. a checkpoint restore)."""
     variables = layer.weights
     weights = list(weights)
     if any(partition.table_of(v) for v in variables) and len(weights) == partition.whole_weight_count(variables):
         weights = partition.split_weights(variables, weights)
-    return _ORIGINAL["set_weights"](layer, weights)
+    strategy = layer.__dict__.get(_ATTR) or current_strategy()
+    if strategy is None or strategy.is_chief or len(weights) != len(variables):
+        return _ORIGINAL["set_weights"](layer, weights)
+    pairs = []
+    for variable, value in zip(variables, weights):
+        if tuple(variable.shape) != tuple(getattr(value, "shape", ())):
+            raise ValueError(f"Layer {layer.name} weight {variable.name} has shape {tuple(variable.shape)}; the "
+                             f"value given has shape {getattr(value, 'shape', None)}. Received: a mismatched list.")
+        if not strategy.is_ps_variable(variable):
+            pairs.append((variable, value))
+    _compat.batch_set_value(pairs)
+    return None
 
 
 def install():

@@ -11,7 +11,9 @@
     # one plain process (no PS task: the model then trains with architecture=allreduce on one worker):
     .venv/bin/python scripts/train_lm1b.py --config=lm1b_tiny --data=synthetic --train_steps=50
 
-Every flag is optional (defaults below). The resolved configuration is written to ``--model_dir/config.json`` by
+Every flag is optional (defaults below). Worker 0 checkpoints everything (weights, PS tables, optimizer slots on
+both paths, step) into ``--model_dir`` every ``--checkpoint_every`` steps and at the end; started again with the
+same ``--model_dir``, the script resumes from the latest checkpoint and continues the data order where it stopped. The resolved configuration is written to ``--model_dir/config.json`` by
 worker 0, which also prints progress (loss, sampled-softmax perplexity, words/s) every ``--log_every`` steps, writes
 TensorBoard scalars to ``--model_dir/tensorboard`` and, at the end, the held-out perplexity with the full softmax.
 """
@@ -45,6 +47,8 @@ flags.DEFINE_integer("log_every", 20, "Steps between progress lines and TensorBo
 flags.DEFINE_integer("synthetic_windows", 4096, "Windows per worker with --data=synthetic.")
 flags.DEFINE_boolean("eval", True, "Evaluate held-out perplexity (full softmax) at the end.")
 flags.DEFINE_integer("seed", 1, "Shuffling and initialization seed.")
+flags.DEFINE_integer("checkpoint_every", 100, "Optimizer steps between checkpoints in --model_dir (and one at the "
+                     "end); a run resumes from the latest checkpoint there automatically.")
 
 
 def _partitions(text):
@@ -123,12 +127,12 @@ def main(argv):
                              f"Received: --batch_size={config.batch_size}.")
     if FLAGS.train_steps:
         steps_per_epoch = min(steps_per_epoch, FLAGS.train_steps)
-        epochs = math.ceil(FLAGS.train_steps / steps_per_epoch)
+        total_steps = FLAGS.train_steps
     else:
-        epochs = FLAGS.epochs
+        total_steps = FLAGS.epochs * steps_per_epoch
+    epochs = math.ceil(total_steps / steps_per_epoch)
     dataset = (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=FLAGS.seed + index)
-               .repeat().batch(config.batch_size, drop_remainder=True).prefetch(2))
-    dataset = kp.data.per_worker(dataset)
+               .repeat().batch(config.batch_size, drop_remainder=True))
 
     resolved = {"flags": {f: getattr(FLAGS, f) for f in ("config", "data", "data_dir", "model_dir", "partitions",
                                                             "train_steps", "epochs", "log_every", "seed",
@@ -146,12 +150,27 @@ def main(argv):
                                                  strategy.is_chief)]
     if FLAGS.warmup_steps:
         callbacks.insert(0, kp.callbacks.LearningRateWarmup(config.learning_rate, FLAGS.warmup_steps))
+    saver = kp.callbacks.Checkpoint(strategy, FLAGS.model_dir, max(1, FLAGS.checkpoint_every))
+    callbacks += [saver, kp.callbacks.StopAtStep(total_steps)]
     with strategy.scope():
         model = lm1b.LM1B(config)
         model.compile(optimizer=lm1b.make_optimizer(config))
-        history = model.fit(dataset, epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks, verbose=0)
+        start = 0
+        latest = kp.checkpoint.latest(FLAGS.model_dir)
+        if latest:
+            start = kp.checkpoint.restore(strategy, model, latest)["step"]
+            if strategy.is_chief:
+                print(f"resumed from {latest} (step {start} of {total_steps})", flush=True)
+        dataset = kp.data.per_worker(dataset.skip(start).prefetch(2))  # the data order continues where it stopped
+        history = model.fit(dataset, epochs=epochs, initial_epoch=start // steps_per_epoch,
+                            steps_per_epoch=steps_per_epoch, callbacks=callbacks, verbose=0)
+    if saver.bad_loss_step is not None:
+        raise ValueError(f"the loss became NaN/Inf at step {saver.bad_loss_step}; the last good checkpoint in "
+                         f"{FLAGS.model_dir} is kept. Lower --learning_rate or check the data.")
+    if not history.history:  # resumed at the end: nothing left to train
+        history.history = {"loss": [float("nan")], "perplexity": [float("nan")]}
     summary = {"final_loss": float(history.history["loss"][-1]),
-               "train_perplexity_sampled": float(history.history["perplexity"][-1])}
+               "train_perplexity_sampled": float(history.history["perplexity"][-1]), "steps": total_steps}
     if heldout is not None:
         result = model.evaluate(heldout[0], heldout[1], batch_size=config.batch_size, verbose=0, return_dict=True)
         summary["heldout_loss"], summary["heldout_perplexity"] = float(result["loss"]), float(result["perplexity"])
@@ -161,5 +180,17 @@ def main(argv):
     del np
 
 
+def run(argv):
+    """Expected errors (bad data, flags, checkpoints, unreachable PS) end with one message, no traceback."""
+    try:
+        main(argv)
+    except (ValueError, FileNotFoundError, ConnectionError, TimeoutError) as e:
+        if os.environ.get("KPARALLAX_TRACEBACK"):
+            raise
+        sys.stderr.write(f"{os.path.basename(__file__)}: error: {e}\n(set KPARALLAX_TRACEBACK=1 for the traceback)\n")
+        sys.stderr.flush()
+        os._exit(2)  # pylint: disable=protected-access  (skip TensorFlow's teardown of live PS connections)
+
+
 if __name__ == "__main__":
-    app.run(main)
+    app.run(run)

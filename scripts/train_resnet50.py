@@ -92,5 +92,17 @@ def main(argv):
         print(f"result: final_loss={history.history['loss'][-1]:.4f}", flush=True)
 
 
+def run(argv):
+    """Expected errors (bad data, flags, checkpoints, unreachable PS) end with one message, no traceback."""
+    try:
+        main(argv)
+    except (ValueError, FileNotFoundError, ConnectionError, TimeoutError) as e:
+        if os.environ.get("KPARALLAX_TRACEBACK"):
+            raise
+        sys.stderr.write(f"{os.path.basename(__file__)}: error: {e}\n(set KPARALLAX_TRACEBACK=1 for the traceback)\n")
+        sys.stderr.flush()
+        os._exit(2)  # pylint: disable=protected-access  (skip TensorFlow's teardown of live PS connections)
+
+
 if __name__ == "__main__":
-    app.run(main)
+    app.run(run)

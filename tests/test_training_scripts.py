@@ -118,3 +118,17 @@ def test_bad_flags_and_data_give_one_clear_error(tmp_path):
     bad = subprocess.run([sys.executable, LM1B, "--partitions=zero"], capture_output=True, text=True, timeout=120,
                          check=False)
     assert bad.returncode != 0 and "--partitions must be an integer >= 1 or 'auto'" in bad.stderr
+
+
+@pytest.mark.multiprocess
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    run = testing.run_local([sys.executable, LM1B, "--config=lm1b_tiny", "--data=synthetic", "--synthetic_windows=512",
+                             f"--model_dir={tmp_path / 'm'}", "--train_steps=40", "--checkpoint_every=1",
+                             "--learning_rate=1e25", "--eval=false"],
+                            log_dir=str(tmp_path / "logs"), workers=2, ps=1, timeout=300)
+    assert run.returncode == 2, run.report()
+    log = run.logs()["worker-0.log"]
+    assert "the loss became NaN/Inf at step" in log and "Traceback" not in log
+    bad_step = int(log.split("the loss became NaN/Inf at step ")[1].split(";")[0])
+    saved = sorted(int(p.name[5:]) for p in (tmp_path / "m").glob("ckpt-*"))
+    assert all(step < bad_step for step in saved), (saved, bad_step)

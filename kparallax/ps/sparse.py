@@ -107,6 +107,10 @@ class SparseAggregator:
             self._optimizers[key] = clone
         return self._optimizers[key]
 
+    def existing_table_optimizer(self, variable):
+        """The clone for ``variable`` if one was made (it has applied an update or was restored), else None."""
+        return self._optimizers.get(variable.ref())
+
     def _shared_slots(self, variable):
         path, task = self._ps_info(variable)
 

@@ -1,0 +1,194 @@
+"""Lossless, atomic checkpoints of everything a kparallax run needs to continue.
+
+A checkpoint holds the model's weights (PS tables whole, whatever their partitioning), the state of the optimizer
+Keras trains with (replicated: slots and ``iterations``), the state of every PS-side optimizer clone (slots of each
+table, joined over shards), the step, and what the caller adds (epoch, data position, ...). Worker 0 writes it into
+a temporary directory, fsyncs, renames it to ``DIR/ckpt-<step>`` and then atomically replaces ``DIR/checkpoint.json``
+(the pointer to the latest): a crash at any moment leaves the previous checkpoint intact and pointed to.
+
+Restoring is a collective: every worker reads the files (``DIR`` must be visible to all workers) and sets its
+replicated weights and optimizer state; worker 0 alone writes the PS tables and PS-side slots; a barrier then
+ensures nobody trains before the PS holds the restored values. Because tables and slots are stored whole, a run
+may resume with a different number of PS tasks or partitions.
+"""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+from kparallax import _compat
+from kparallax import allreduce
+from kparallax import partition
+
+POINTER = "checkpoint.json"
+
+
+def _router(model):
+    router = getattr(model.optimizer, "_kp_router", None)
+    if router is None:
+        raise ValueError("Checkpoints need a model compiled inside HybridStrategy.scope(). Received: a model whose "
+                         f"optimizer is {type(model.optimizer).__name__}.")
+    return router
+
+
+def _dense_variables(strategy, model):
+    return [v for v in model.trainable_variables if not strategy.is_ps_variable(v)]
+
+
+def _ps_groups(strategy, model):
+    """[(table path, [shard variables in order])] for the model's trainable PS variables."""
+    groups, seen = [], set()
+    for variable in model.trainable_variables:
+        if not strategy.is_ps_variable(variable):
+            continue
+        owner = partition.table_of(variable)
+        if owner is None:
+            groups.append((strategy.ps_info(variable)[0], [variable]))
+        elif id(owner[0]) not in seen:
+            seen.add(id(owner[0]))
+            groups.append((owner[0].path, list(owner[0].shards)))
+    return groups
+
+
+def _merge_state(shards, states):
+    """Per optimizer-variable position: row-shaped slots joined over shards; other variables from shard 0."""
+    merged = []
+    for j in range(len(states[0])):
+        parts = [state[j] for state in states]
+        if all(p.shape.rank and p.shape == s.shape for p, s in zip(parts, shards)):
+            merged.append(np.concatenate([p.numpy() for p in parts], axis=0))
+        else:
+            merged.append(parts[0].numpy())
+    return merged
+
+
+def _split_state(shards, states, merged):
+    bounds = np.cumsum([0] + [int(s.shape[0]) for s in shards])
+    for j, value in enumerate(merged):
+        for i, state in enumerate(states):
+            row_shaped = state[j].shape.rank and state[j].shape == shards[i].shape
+            part = value[bounds[i]:bounds[i + 1]] if row_shaped and value.ndim else value
+            if tuple(state[j].shape) != tuple(np.shape(part)):
+                raise ValueError(f"Checkpointed optimizer state {j} of a table has shape {np.shape(value)}, which "
+                                 f"does not fit {state[j].shape}: was it written for another model or optimizer? "
+                                 f"Received: {np.shape(value)}.")
+            state[j].assign(part)
+
+
+def save(strategy, model, directory, extra=None, keep=3):
+    """Writes ``DIR/ckpt-<step>`` atomically and points ``DIR/checkpoint.json`` at it. Call on worker 0 only."""
+    router = _router(model)
+    _compat.async_wait()
+    step = int(model.optimizer.iterations.numpy())
+    arrays = {f"weight_{i}": w for i, w in enumerate(model.get_weights())}
+    _compat.build_optimizer(model.optimizer, _dense_variables(strategy, model))  # idempotent; as training builds it
+    dense_state = _compat.optimizer_variables(model.optimizer)
+    arrays.update({f"dense_optimizer_{j}": v.numpy() for j, v in enumerate(dense_state)})
+    tables = []
+    for path, shards in _ps_groups(strategy, model):
+        clones = [router.aggregator.existing_table_optimizer(s) for s in shards]
+        if any(c is None for c in clones):
+            continue  # never updated yet: nothing beyond the initial state
+        merged = _merge_state(shards, [_compat.optimizer_variables(c) for c in clones])
+        arrays.update({f"table_optimizer_{len(tables)}_{j}": v for j, v in enumerate(merged)})
+        tables.append({"path": path, "variables": len(merged), "shards": len(shards)})
+    meta = {"step": step, "extra": extra or {}, "num_weights": len(model.get_weights()),
+            "dense_optimizer_variables": len(dense_state), "tables": tables}
+    os.makedirs(directory, exist_ok=True)
+    final = os.path.join(directory, f"ckpt-{step}")
+    tmp = os.path.join(directory, f".ckpt-{step}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    with open(os.path.join(tmp, "state.npz"), "wb") as f:
+        np.savez(f, **arrays)
+        f.flush()
+        os.fsync(f.fileno())
+    _write_json(os.path.join(tmp, "meta.json"), meta)
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _write_json(os.path.join(directory, POINTER), {"latest": os.path.basename(final), "step": step})
+    _prune(directory, keep)
+    logging.info("checkpoint: step %d written to %s", step, final)
+    return final
+
+
+def _write_json(path, data):
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _prune(directory, keep):
+    steps = sorted(int(name[5:]) for name in os.listdir(directory)
+                   if name.startswith("ckpt-") and name[5:].isdigit())
+    for step in steps[:-keep] if keep > 0 else []:
+        shutil.rmtree(os.path.join(directory, f"ckpt-{step}"), ignore_errors=True)
+
+
+def latest(directory):
+    """Path of the latest complete checkpoint in ``directory``, or None."""
+    pointer = os.path.join(directory, POINTER)
+    if not os.path.isfile(pointer):
+        return None
+    with open(pointer, encoding="utf-8") as f:
+        name = json.load(f)["latest"]
+    path = os.path.join(directory, name)
+    if not os.path.isfile(os.path.join(path, "meta.json")):
+        raise ValueError(f"{pointer} points at {name}, which is incomplete or missing. Received: {path}.")
+    return path
+
+
+def restore(strategy, model, path):
+    """Restores the checkpoint at ``path`` into ``model`` (a collective). Returns its ``extra`` dict and step."""
+    router = _router(model)
+    _compat.async_wait()  # every earlier write of this worker (e.g. set_weights) lands before worker 0 restores
+    allreduce.barrier(strategy.num_workers, name="kp_restore_begin").numpy()
+    with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
+        meta = json.load(f)
+    with np.load(os.path.join(path, "state.npz")) as data:
+        arrays = {k: data[k] for k in data.files}
+    weights = [arrays[f"weight_{i}"] for i in range(meta["num_weights"])]
+    variables = model.weights
+    if len(weights) != partition.whole_weight_count(variables):
+        raise ValueError(f"Checkpoint {path} holds {len(weights)} weights but the model has "
+                         f"{partition.whole_weight_count(variables)}: it was written for another model. "
+                         f"Received: {path}.")
+    values = partition.split_weights(variables, weights)
+    for variable, value in zip(variables, values):
+        if tuple(variable.shape) != tuple(np.shape(value)):
+            raise ValueError(f"Checkpoint {path}: {variable.name} has shape {np.shape(value)} there but "
+                             f"{tuple(variable.shape)} in the model (another vocabulary or model size?). "
+                             f"Received: {path}.")
+        if strategy.is_ps_variable(variable) and not strategy.is_chief:
+            continue  # worker 0 writes the shared PS copy
+        variable.assign(value)
+    if meta["dense_optimizer_variables"]:
+        _compat.build_optimizer(model.optimizer, _dense_variables(strategy, model))
+        state = _compat.optimizer_variables(model.optimizer)
+        if len(state) != meta["dense_optimizer_variables"]:
+            raise ValueError(f"Checkpoint {path} holds {meta['dense_optimizer_variables']} optimizer variables, the "
+                             f"optimizer has {len(state)}: another optimizer? Received: {path}.")
+        for j, variable in enumerate(state):
+            variable.assign(arrays[f"dense_optimizer_{j}"])
+    if strategy.is_chief:
+        groups = dict(_ps_groups(strategy, model))
+        for t, table in enumerate(meta["tables"]):
+            if table["path"] not in groups:
+                raise ValueError(f"Checkpoint {path} has optimizer state for PS table {table['path']!r}, which this "
+                                 f"model does not have. Received: {path}.")
+            shards = groups[table["path"]]
+            states = [_compat.optimizer_variables(router.aggregator.table_optimizer(s)) for s in shards]
+            _split_state(shards, states, [arrays[f"table_optimizer_{t}_{j}"] for j in range(table["variables"])])
+    _compat.async_wait()
+    allreduce.barrier(strategy.num_workers, name="kp_restored").numpy()
+    logging.info("checkpoint: restored step %d from %s", meta["step"], path)
+    tf.keras.backend.set_value(model.optimizer.iterations, meta["step"])
+    return meta
