@@ -21,6 +21,7 @@ if hasattr(tf.keras, "__version__") and tf.keras.__version__.startswith("3."):
         "kparallax needs Keras 2 (tf.keras from TensorFlow 2.15, or tf-keras with TF_USE_LEGACY_KERAS=1). "
         f"Received: tf.keras {tf.keras.__version__}. Horovod's Keras wrappers do not allreduce under Keras 3.")
 
+InvalidArgumentError = tf.errors.InvalidArgumentError
 KerasModel = tf.keras.Model
 KerasLayer = tf.keras.layers.Layer
 ShardedVariable = _sharded.ShardedVariable  # Keras lists its shards as the layer's weights

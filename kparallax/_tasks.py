@@ -34,10 +34,14 @@ class Failure:
     log_path: str = ""
     remote: bool = False  # reported by another host's launcher
 
+    progress: str = ""   # where each worker was when the run failed
+
     def message(self):
         text = f"{self.name} {self.what}; stopped all tasks."
+        if self.progress:
+            text += f"\n{self.progress}"
         if self.log_path:
-            text += f" Its log ({self.log_path}) ends with:\n{tail(self.log_path)}"
+            text += f"\n{self.name}'s log ({self.log_path}) ends with:\n{tail(self.log_path)}"
         return text
 
 
@@ -86,6 +90,7 @@ def stop_all(tasks):
     for task in tasks:
         if task.process.poll() is None:
             task.process.send_signal(signal.SIGTERM)
+            task.process.send_signal(signal.SIGCONT)  # a stopped (SIGSTOP) task handles SIGTERM only once resumed
     deadline = time.monotonic() + GRACE_SECONDS
     for task in tasks:
         try:
@@ -109,6 +114,38 @@ def wait_ps_ready(ps_tasks, addresses, timeout=60.0):
                 return task
             time.sleep(0.1)
     return None
+
+
+def _state(pid):
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+def progress_report(tasks, log_dir):
+    """One line per local worker: steps finished and whether it is stopped; names the ones behind the others."""
+    steps = []
+    for task in tasks:
+        if task.role != "worker":
+            continue
+        try:
+            with open(os.path.join(log_dir, f"progress-worker-{task.index}"), encoding="utf-8") as f:
+                steps.append((task, int(f.read().strip() or 0)))
+        except (OSError, ValueError):
+            steps.append((task, None))
+    known = [v for _, v in steps if v is not None]
+    if not known:
+        return ""
+    lines = []
+    for task, step in steps:
+        state = _state(task.process.pid) if task.process.poll() is None else "exited"
+        note = " (stopped: SIGSTOP?)" if state == "T" else ""
+        behind = " <- behind the others: the collective waited for this worker" if (
+            step is not None and step < max(known)) else ""
+        lines.append(f"    {task.name}: {step if step is not None else '?'} step(s) finished{note}{behind}")
+    return "workers' progress when the run stopped:\n" + "\n".join(lines)
 
 
 def supervise(tasks: List[Task], timeout: float, elsewhere: Optional[Callable[[], Optional[Failure]]] = None,

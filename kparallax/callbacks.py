@@ -1,5 +1,6 @@
 """Keras callbacks kparallax adds to every ``fit`` (and ones users may add themselves)."""
 
+import os
 import time
 
 import horovod.tensorflow as hvd
@@ -279,3 +280,27 @@ class StopAtStep(tf.keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         if int(self.model.optimizer.iterations.numpy()) >= self._total:
             self.model.stop_training = True
+
+
+class ProgressFile(tf.keras.callbacks.Callback):
+    """Keeps ``LOG_DIR/progress-worker-<rank>`` holding the number of steps this worker has finished, so the
+    launcher can name the worker a stalled collective waits for (added by ``fit`` under kparallax-run)."""
+
+    def __init__(self, log_dir, rank):
+        super().__init__()
+        self._path = os.path.join(log_dir, f"progress-worker-{rank}")
+        self._steps = 0
+
+    def _write(self):
+        try:
+            with open(self._path, "w", encoding="utf-8") as f:
+                f.write(str(self._steps))
+        except OSError:
+            pass
+
+    def on_train_begin(self, logs=None):
+        self._write()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._steps += 1
+        self._write()

@@ -62,6 +62,9 @@ def _parser():
     parser.add_argument("--bind-all", "--bind_all", dest="bind_all", action="store_true",
                         help="let TensorFlow's servers listen on all interfaces (default: only the task's cluster "
                              "address, enforced with a small LD_PRELOAD library)")
+    parser.add_argument("--stall_timeout", "--stall-timeout", dest="stall_timeout", type=float, default=300.0,
+                        help="seconds a collective may wait for a missing worker before Horovod reports the stalled "
+                             "rank(s) and shuts down (default 300; warnings start at half of it)")
     parser.add_argument("--quiet", action="store_true", help="do not stream worker 0's output to the terminal")
     parser.add_argument("--cluster-json", dest="cluster_json", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--stdin-watch", dest="stdin_watch", action="store_true", help=argparse.SUPPRESS)
@@ -83,6 +86,8 @@ def _parse(argv):
             parser.error(f"--{name} must be >= {1 if name == 'workers' else 0}. Received: --{name}={value}.")
     if args.timeout < 0:
         parser.error(f"--timeout must be >= 0. Received: --timeout={args.timeout}.")
+    if args.stall_timeout < 2:
+        parser.error(f"--stall_timeout must be >= 2 seconds. Received: --stall_timeout={args.stall_timeout}.")
     if args.ps_per_host < 0:
         parser.error(f"--ps-per-host must be >= 0. Received: --ps-per-host={args.ps_per_host}.")
     sources = [n for n, v in (("--cluster", args.cluster), ("-H", args.hosts), ("--cluster-json", args.cluster_json))
@@ -130,6 +135,11 @@ def _base_env(args, ps_hosts, worker_hosts, run_id, log_dir, connect_lock=None):
         env[cluster_lib.ENV_CONNECT_LOCK] = connect_lock
     if args.architecture:
         env[options_lib.ARCHITECTURE_ENV] = args.architecture
+    # Horovod's stall inspector names the ranks a collective waits for, then shuts Horovod down: a stopped or hung
+    # worker ends the run instead of hanging it.
+    env["HOROVOD_STALL_CHECK_TIME_SECONDS"] = str(max(1, int(args.stall_timeout // 2)))
+    env["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = str(int(args.stall_timeout))
+    env["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(int(args.stall_timeout))  # Gloo's own wait for a silent peer
     return env
 
 
@@ -200,6 +210,8 @@ def run_local(args):
                 tasks.append(_tasks.spawn("worker", slot.rank, args.command, env, log_dir,
                                           echo=slot.rank == 0 and not args.quiet))
             failure = _tasks.supervise(tasks, args.timeout)
+            if failure is not None:
+                failure.progress = _tasks.progress_report(tasks, log_dir)
     except KeyboardInterrupt:
         interrupted = True
     finally:

@@ -96,7 +96,7 @@ def run_host(args):
     except (RuntimeError, OSError) as e:
         print(f"kparallax-run: {e}", file=sys.stderr)
         return 2
-    problem = _hostname_problem(plan, spec)
+    problem = _hostname_problem(plan, spec) or _port_in_use(plan, i)
     if problem:
         print(f"kparallax-run: {problem}", file=sys.stderr)
         return 2
@@ -127,6 +127,8 @@ def run_host(args):
                 tasks.append(_tasks.spawn("worker", rank, args.command, env, log_dir,
                                           echo=rank == 0 and not args.quiet))
             failure = _tasks.supervise(tasks, args.timeout, elsewhere=watcher.failure, start=start)
+            if failure is not None:
+                failure.progress = _tasks.progress_report(tasks, log_dir)
         if failure is None:
             rendezvous.put(plan.coordinator, key, "done")
             failure = _wait_for_every_host(tasks, watcher, plan, i, args.timeout, start)
@@ -164,6 +166,23 @@ def _hostname_problem(plan, spec):
         return (f"this host's name {name!r} resolves to {address or 'nothing'}; Horovod's Gloo process sets connect "
                 f"through that address, so on a multi-host cluster it must resolve to this host's cluster address "
                 f"{spec.host} (fix /etc/hosts or DNS). Received: {name} -> {address}.")
+    return None
+
+
+def _port_in_use(plan, i):
+    """The first of this host's ports (PS, workers, and the rendezvous on host 0) that something already uses."""
+    spec = plan.hosts[i]
+    ports = [("ps_port", spec.ps_port + k) for k in range(spec.ps)]
+    ports += [("worker_port", spec.worker_port + k) for k in range(spec.workers)]
+    if i == 0:
+        ports.append(("rendezvous_port", plan.rendezvous_port))
+    for key, port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((socket.gethostbyname(spec.host), port))
+            except OSError as e:
+                return (f"port {port} on {spec.host} ({key}) cannot be used ({e.strerror}); another process holds it. "
+                        f"Stop it or choose other ports in the cluster file. Received: {key} -> {port}.")
     return None
 
 
@@ -247,7 +266,8 @@ def run_ssh(args):
     try:
         for i, spec in enumerate(plan.hosts):
             remote = [sys.executable, "-m", "kparallax.launch", "--cluster-json", plan.to_json(), "--host-index", str(i),
-                      "--run_id", run_id, "--log_dir", log_dir, "--stdin-watch", "--timeout", str(args.timeout)]
+                      "--run_id", run_id, "--log_dir", log_dir, "--stdin-watch", "--timeout", str(args.timeout),
+                      "--stall_timeout", str(args.stall_timeout)]
             if args.architecture:
                 remote += ["--architecture", args.architecture]
             if args.quiet:

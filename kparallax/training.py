@@ -14,6 +14,8 @@ Under a strategy:
 """
 
 import contextlib
+import os
+import re
 import functools
 import inspect
 import threading
@@ -93,13 +95,32 @@ def _fit(model, *args, **kwargs):
     ours = [kp_callbacks.SyncReplicatedVariables(strategy), kp_callbacks.AverageMetrics(strategy)]
     if strategy.partitioned_tables and not strategy.partition_search["done"]:
         ours.insert(1, partition_search.PartitionSearch(strategy))
+    log_dir = os.environ.get("KPARALLAX_LOG_DIR")
+    if log_dir and strategy.num_workers > 1:
+        ours.append(kp_callbacks.ProgressFile(log_dir, strategy.worker_index))
     if not strategy.is_chief:
         a["verbose"] = 0
     elif a["verbose"] != 0:
         ours.append(_compat.progbar_logger())
     a["callbacks"] = ours + user_callbacks
     with strategy.scope():
-        return _call("fit", bound)
+        try:
+            return _call("fit", bound)
+        except _compat.InvalidArgumentError as e:
+            raise _explained(e) from None
+
+
+_OUT_OF_RANGE = re.compile(r"indices\[[0-9,]+\] = (-?[0-9]+) is not in \[0, ([0-9]+)\)")
+
+
+def _explained(error):
+    """TensorFlow's CPU gather error for an id outside a table, said plainly (other errors unchanged)."""
+    match = _OUT_OF_RANGE.search(str(error))
+    if not match:
+        return error
+    return ValueError(f"The input holds id {match.group(1)}, outside an embedding table (or table shard) of "
+                      f"{match.group(2)} rows: ids must be in [0, vocabulary size). Check the data against the "
+                      f"vocabulary (or raise the Embedding's input_dim). Received: id={match.group(1)}.")
 
 
 def _check_same_steps(strategy, steps):

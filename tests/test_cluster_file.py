@@ -75,3 +75,22 @@ def test_launcher_rejects_bad_cluster_files_and_mismatched_counts(tmp_path):
     assert done.returncode == 2 and "--host-index must be in 0..0" in done.stderr
     done = _launch("--cluster", str(tmp_path / "missing.yaml"), "--", "true")
     assert done.returncode == 2 and "Cannot read cluster file" in done.stderr
+
+
+def test_a_port_already_in_use_is_named_before_anything_starts(tmp_path):
+    import socket  # pylint: disable=import-outside-toplevel
+    import portpicker  # pylint: disable=import-outside-toplevel
+    port = portpicker.pick_unused_port()
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", port))
+    holder.listen()
+    try:
+        cluster = tmp_path / "c.yaml"
+        cluster.write_text(f"rendezvous_port: {portpicker.pick_unused_port()}\n"
+                           f"hosts:\n  - {{host: 127.0.0.1, workers: 1, ps: 1, ps_port: {port}, "
+                           f"worker_port: {portpicker.pick_unused_port()}}}\n")
+        done = _launch("--cluster", str(cluster), "--host-index", "0", "--log_dir", str(tmp_path / "logs"), "--", "true")
+    finally:
+        holder.close()
+    assert done.returncode == 2, done.stderr
+    assert f"port {port} on 127.0.0.1 (ps_port) cannot be used (Address already in use)" in done.stderr

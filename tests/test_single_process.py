@@ -93,3 +93,13 @@ def test_throughput_callback_reports_a_rate(strategy):
     history = model.fit(x, y, batch_size=8, epochs=1, verbose=0,
                         callbacks=[kp.callbacks.Throughput(global_batch_size=8, skip_steps=2)])
     assert history.history["samples_per_sec"][0] > 0
+
+
+def test_an_id_outside_the_table_is_explained():
+    strategy = kp.HybridStrategy(kp.Cluster.local(), architecture="allreduce")
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.Input((3,), dtype=tf.int32), tf.keras.layers.Embedding(10, 2),
+                                     tf.keras.layers.Flatten(), tf.keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        with pytest.raises(ValueError, match=r"The input holds id 12, outside an embedding table .* of 10 rows"):
+            model.fit(np.array([[1, 2, 12]] * 4), np.zeros((4, 1)), batch_size=2, verbose=0)
