@@ -41,7 +41,8 @@ def average_gradients(grads_and_vars, num_workers, control_inputs=(), compressio
                 out[i] = g
         if sparse:
             values = hvd.grouped_allgather([grads[i].values for i in sparse], name="kp_replicated_sparse_values")
-            indices = hvd.grouped_allgather([grads[i].indices for i in sparse], name="kp_replicated_sparse_indices")
+            indices = hvd.grouped_allgather([tf.cast(grads[i].indices, tf.int64) for i in sparse],
+                                            name="kp_replicated_sparse_indices")
             for i, v, ids in zip(sparse, values, indices):
                 out[i] = tf.IndexedSlices(v / tf.cast(num_workers, v.dtype), ids, grads[i].dense_shape)
     return list(zip(out, variables))

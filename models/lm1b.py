@@ -151,7 +151,9 @@ class LM1B(tf.keras.Model):
             loss = sampled_softmax_loss(self.softmax_w.embeddings, self.softmax_b.embeddings, targets, hidden,
                                         self.config.num_sampled, self.config.vocab_size)
         variables = self.trainable_variables
-        grads = tape.gradient(loss, variables)
+        # compute_gradients (not tape.gradient) so that an optimizer wrapper that reduces gradients there, like
+        # horovod's DistributedOptimizer, sees them; for plain Keras optimizers it is tape.gradient.
+        grads = [g for g, _ in self.optimizer.compute_gradients(loss, variables, tape=tape)]
         lstm = [i for i, v in enumerate(variables) if any(v is w for w in self.lstm.trainable_weights)]
         clipped, _ = tf.clip_by_global_norm([grads[i] for i in lstm], self.config.clip_norm)
         for i, g in zip(lstm, clipped):

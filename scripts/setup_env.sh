@@ -9,7 +9,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
-.venv/bin/python -m pip install -q "tensorflow-cpu==2.15.1" absl-py tensorboard portpicker pyyaml pytest pytest-timeout
+.venv/bin/python -m pip install -q "tensorflow-cpu==2.15.1" absl-py tensorboard portpicker pyyaml matplotlib pytest pytest-timeout
 if ! .venv/bin/python -c "import horovod.tensorflow" 2>/dev/null; then
   echo "setup_env: building horovod 0.28.1 with Gloo (about 2 minutes)..." >&2
   HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_PYTORCH=1 \
