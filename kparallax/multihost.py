@@ -178,6 +178,8 @@ def _port_in_use(plan, i):
         ports.append(("rendezvous_port", plan.rendezvous_port))
     for key, port in ports:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            # As the servers do: connections of a previous run lingering in TIME_WAIT do not block the port.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind((socket.gethostbyname(spec.host), port))
             except OSError as e:
