@@ -91,7 +91,12 @@ def stop_all(tasks):
         if task.process.poll() is None:
             task.process.send_signal(signal.SIGTERM)
             task.process.send_signal(signal.SIGCONT)  # a stopped (SIGSTOP) task handles SIGTERM only once resumed
-    deadline = time.monotonic() + GRACE_SECONDS
+    wait_or_kill(tasks, GRACE_SECONDS)
+
+
+def wait_or_kill(tasks, seconds):
+    """Waits up to ``seconds`` in total for the tasks to exit, then SIGKILLs the rest."""
+    deadline = time.monotonic() + seconds
     for task in tasks:
         try:
             task.process.wait(timeout=max(0.1, deadline - time.monotonic()))

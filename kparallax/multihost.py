@@ -317,10 +317,4 @@ def _stop_hosts(hosts, seconds=30.0):
             task.process.stdin.close()
         except OSError:
             pass
-    deadline = time.monotonic() + seconds
-    for task in hosts:
-        try:
-            task.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            task.process.kill()
-            task.process.wait()
+    _tasks.wait_or_kill(hosts, seconds)

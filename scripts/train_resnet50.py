@@ -93,15 +93,8 @@ def main(argv):
 
 
 def run(argv):
-    """Expected errors (bad data, flags, checkpoints, unreachable PS) end with one message, no traceback."""
-    try:
-        main(argv)
-    except (ValueError, FileNotFoundError, ConnectionError, TimeoutError) as e:
-        if os.environ.get("KPARALLAX_TRACEBACK"):
-            raise
-        sys.stderr.write(f"{os.path.basename(__file__)}: error: {e}\n(set KPARALLAX_TRACEBACK=1 for the traceback)\n")
-        sys.stderr.flush()
-        os._exit(2)  # pylint: disable=protected-access  (skip TensorFlow's teardown of live PS connections)
+    from models import script_util  # pylint: disable=import-outside-toplevel
+    script_util.run_with_clear_errors(main, argv, __file__)
 
 
 if __name__ == "__main__":
