@@ -61,3 +61,19 @@ def barrier(num_workers, control_inputs=(), name="kp_barrier"):
         if num_workers == 1:
             return tf.identity(token)
         return hvd.allreduce(token, op=hvd.Sum, name=name)
+
+
+def allgather_ints(values, name):
+    """Every worker's list of ``len(values)`` integers, as a list per worker (a tensor collective: nothing is
+    unpickled from the network)."""
+    local = tf.constant([list(values)], tf.int64)
+    return [list(map(int, row)) for row in hvd.allgather(local, name=name).numpy()]
+
+
+def allgather_text(text, name, width=256):
+    """Every worker's short string (UTF-8, at most ``width`` bytes), sent as a fixed-width byte tensor."""
+    data = text.encode("utf-8")
+    if len(data) > width:
+        raise ValueError(f"{name}: {text!r} is longer than {width} bytes. Received: {len(data)} bytes.")
+    rows = allgather_ints([len(data)] + list(data) + [0] * (width - len(data)), name)
+    return [bytes(row[1:1 + row[0]]).decode("utf-8") for row in rows]

@@ -98,6 +98,7 @@ def local_steps(dataset, steps_per_epoch):
 def min_over_workers(value):
     """The smallest ``value`` over all workers (e.g. steps per epoch of per-worker data). A collective."""
     import horovod.tensorflow as hvd  # pylint: disable=import-outside-toplevel
+    from kparallax import allreduce  # pylint: disable=import-outside-toplevel
     if hvd.size() == 1:
         return value
-    return min(hvd.allgather_object(value, name="kp_min_over_workers"))
+    return min(row[0] for row in allreduce.allgather_ints([int(value)], name="kp_min_over_workers"))

@@ -155,7 +155,8 @@ def local_process_set():
         return hvd.global_process_set
     if "local" in _STATE:
         return _STATE["local"]
-    hosts = hvd.allgather_object(os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname(), name="kp_hosts")
+    from kparallax import allreduce  # pylint: disable=import-outside-toplevel
+    hosts = allreduce.allgather_text(os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname(), name="kp_hosts")
     mine = None
     for host in sorted(set(hosts), key=hosts.index):  # same order on every worker
         ranks = [r for r, h in enumerate(hosts) if h == host]

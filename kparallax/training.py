@@ -126,8 +126,8 @@ def _explained(error):
 def _check_same_steps(strategy, steps):
     if strategy.num_workers == 1:
         return
-    import horovod.tensorflow as hvd  # pylint: disable=import-outside-toplevel
-    counts = [int(c) for c in hvd.allgather_object(steps, name="kp_steps_per_epoch")]
+    from kparallax import allreduce  # pylint: disable=import-outside-toplevel
+    counts = [row[0] for row in allreduce.allgather_ints([steps], name="kp_steps_per_epoch")]
     if len(set(counts)) != 1:
         raise ValueError(f"Every worker must run the same number of steps per epoch, or the collectives hang. "
                          f"Received: steps per worker {counts}. Pass steps_per_epoch=min(...) (for example "
