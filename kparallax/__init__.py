@@ -6,6 +6,7 @@ Public API::
     kp.HybridStrategy   dense variables allreduced with Horovod, embedding tables on shared PS tasks
     kp.callbacks        Keras callbacks (Throughput, LearningRateWarmup, TensorBoardScalars; and those fit adds)
     kp.checkpoint       save / latest / restore: atomic, lossless checkpoints (PS tables and slots included)
+    kp.options          Options (the validated strategy options), architecture_from_env
     kp.data.per_worker  mark a dataset each worker already reads its own part of (fit then does not shard it)
 """
 
@@ -13,8 +14,9 @@ from kparallax import _compat  # noqa: F401  (checks the Keras version first)
 from kparallax import callbacks
 from kparallax import checkpoint
 from kparallax import data
+from kparallax import options
 from kparallax.cluster import Cluster
 from kparallax.strategy import HybridStrategy
 
 __version__ = "0.1.0"
-__all__ = ["Cluster", "HybridStrategy", "callbacks", "checkpoint", "data", "__version__"]
+__all__ = ["Cluster", "HybridStrategy", "callbacks", "checkpoint", "data", "options", "__version__"]

@@ -157,7 +157,3 @@ def share_learning_rate(clone, source):
         clone._learning_rate = rate  # pylint: disable=protected-access
         return True
     return False
-
-
-def batch_set_value(pairs):
-    tf.keras.backend.batch_set_value(pairs)

@@ -54,31 +54,6 @@ def _ps_groups(strategy, model):
     return groups
 
 
-def _merge_state(shards, states):
-    """Per optimizer-variable position: row-shaped slots joined over shards; other variables from shard 0."""
-    merged = []
-    for j in range(len(states[0])):
-        parts = [state[j] for state in states]
-        if all(p.shape.rank and p.shape == s.shape for p, s in zip(parts, shards)):
-            merged.append(np.concatenate([p.numpy() for p in parts], axis=0))
-        else:
-            merged.append(parts[0].numpy())
-    return merged
-
-
-def _split_state(shards, states, merged):
-    bounds = np.cumsum([0] + [int(s.shape[0]) for s in shards])
-    for j, value in enumerate(merged):
-        for i, state in enumerate(states):
-            row_shaped = state[j].shape.rank and state[j].shape == shards[i].shape
-            part = value[bounds[i]:bounds[i + 1]] if row_shaped and value.ndim else value
-            if tuple(state[j].shape) != tuple(np.shape(part)):
-                raise ValueError(f"Checkpointed optimizer state {j} of a table has shape {np.shape(value)}, which "
-                                 f"does not fit {state[j].shape}: was it written for another model or optimizer? "
-                                 f"Received: {np.shape(value)}.")
-            state[j].assign(part)
-
-
 def save(strategy, model, directory, extra=None, keep=3):
     """Writes ``DIR/ckpt-<step>`` atomically and points ``DIR/checkpoint.json`` at it. Call on worker 0 only."""
     router = _router(model)
@@ -93,7 +68,7 @@ def save(strategy, model, directory, extra=None, keep=3):
         clones = [router.aggregator.existing_table_optimizer(s) for s in shards]
         if any(c is None for c in clones):
             continue  # never updated yet: nothing beyond the initial state
-        merged = _merge_state(shards, [_compat.optimizer_variables(c) for c in clones])
+        merged = partition.join_row_state(shards, [_compat.optimizer_variables(c) for c in clones])
         arrays.update({f"table_optimizer_{len(tables)}_{j}": v for j, v in enumerate(merged)})
         tables.append({"path": path, "variables": len(merged), "shards": len(shards)})
     meta = {"step": step, "extra": extra or {}, "num_weights": len(model.get_weights()),
@@ -186,7 +161,8 @@ def restore(strategy, model, path):
                                  f"model does not have. Received: {path}.")
             shards = groups[table["path"]]
             states = [_compat.optimizer_variables(router.aggregator.table_optimizer(s)) for s in shards]
-            _split_state(shards, states, [arrays[f"table_optimizer_{t}_{j}"] for j in range(table["variables"])])
+            partition.split_row_state(shards, states,
+                                      [arrays[f"table_optimizer_{t}_{j}"] for j in range(table["variables"])])
     _compat.async_wait()
     allreduce.barrier(strategy.num_workers, name="kp_restored").numpy()
     logging.info("checkpoint: restored step %d from %s", meta["step"], path)

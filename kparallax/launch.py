@@ -150,6 +150,20 @@ def bind_env(args, host):
     return bind_address.env_for(host, bind_address.library())
 
 
+def start_ps(indices, addresses, base_env, log_dir, tasks):
+    """Starts PS tasks ``indices`` (appended to ``tasks``) and waits until each listens at its address.
+
+    Returns a Failure naming the first one that died or never listened, else None.
+    """
+    for index in indices:
+        env = dict(base_env, **{cluster_lib.ENV_TASK_TYPE: "ps", cluster_lib.ENV_TASK_INDEX: str(index)})
+        tasks.append(_tasks.spawn("ps", index, [sys.executable, "-m", "kparallax.ps"], env, log_dir, echo=False))
+    not_ready = _tasks.wait_ps_ready(tasks, addresses)
+    if not_ready is not None:
+        return _tasks.Failure(not_ready.name, "did not start listening", 1, not_ready.log_path)
+    return None
+
+
 def _write_cluster_json(log_dir, cluster, plan=None):
     data = dataclasses.asdict(cluster)
     if plan is not None:
@@ -193,13 +207,8 @@ def run_local(args):
     tasks, failure, interrupted, coordinator = [], None, False, None
     restore = _interruptible()
     try:
-        for i in range(args.ps):
-            env = dict(base_env, **{cluster_lib.ENV_TASK_TYPE: "ps", cluster_lib.ENV_TASK_INDEX: str(i)})
-            tasks.append(_tasks.spawn("ps", i, [sys.executable, "-m", "kparallax.ps"], env, log_dir, echo=False))
-        not_ready = _tasks.wait_ps_ready(tasks, ps_hosts)
-        if not_ready is not None:
-            failure = _tasks.Failure(not_ready.name, "did not start listening", 1, not_ready.log_path)
-        else:
+        failure = start_ps(range(args.ps), ps_hosts, base_env, log_dir, tasks)
+        if failure is None:
             slots = rendezvous.slot_plan([("localhost", args.workers)])
             port = portpicker.pick_unused_port()
             coordinator = rendezvous.Coordinator("127.0.0.1", port, slots)

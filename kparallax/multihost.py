@@ -53,10 +53,11 @@ class _Watcher:
     def statuses(self):
         return {j: rendezvous.get(self._coordinator, f"host_{j}") for j in range(len(self._plan.hosts))}
 
-    def failure(self, force=False):
+    def poll(self, force=False):
+        """(statuses or None, Failure or None); reads the coordinator at most every POLL_SECONDS unless ``force``."""
         now = time.monotonic()
         if not force and now < self._next:
-            return None
+            return None, None
         self._next = now + POLL_SECONDS
         try:
             statuses = self.statuses()
@@ -64,14 +65,18 @@ class _Watcher:
         except OSError as e:
             self._lost_since = self._lost_since or now
             if now - self._lost_since > COORDINATOR_LOST_SECONDS:
-                return _tasks.Failure("host 0", f"(the coordinator at {self._coordinator}) is unreachable for "
-                                      f"{COORDINATOR_LOST_SECONDS:.0f} s ({e})", 1, remote=True)
-            return None
+                return None, _tasks.Failure("host 0", f"(the coordinator at {self._coordinator}) is unreachable for "
+                                            f"{COORDINATOR_LOST_SECONDS:.0f} s ({e})", 1, remote=True)
+            return None, None
         for j, status in statuses.items():
             if j != self._host_index and status and status.startswith("failed|"):
                 _, code, name, what = status.split("|", 3)
-                return _tasks.Failure(f"{name} on host {j} ({self._plan.hosts[j].host})", what, int(code), remote=True)
-        return None
+                return statuses, _tasks.Failure(f"{name} on host {j} ({self._plan.hosts[j].host})", what, int(code),
+                                                remote=True)
+        return statuses, None
+
+    def failure(self):
+        return self.poll()[1]
 
 
 def run_host(args):
@@ -113,13 +118,9 @@ def run_host(args):
         else:
             rendezvous.wait_reachable(plan.coordinator, timeout=120.0)
         rendezvous.put(plan.coordinator, key, "running")
-        for index in plan.ps_indices(i):
-            env = dict(base_env, **{cluster_lib.ENV_TASK_TYPE: "ps", cluster_lib.ENV_TASK_INDEX: str(index)})
-            tasks.append(_tasks.spawn("ps", index, [sys.executable, "-m", "kparallax.ps"], env, log_dir, echo=False))
-        not_ready = _tasks.wait_ps_ready(tasks, [ps_hosts[j] for j in plan.ps_indices(i)])
-        if not_ready is not None:
-            failure = _tasks.Failure(not_ready.name, "did not start listening", 1, not_ready.log_path)
-        else:
+        failure = launch.start_ps(plan.ps_indices(i), [ps_hosts[j] for j in plan.ps_indices(i)], base_env, log_dir,
+                                  tasks)
+        if failure is None:
             host, port = plan.coordinator.rsplit(":", 1)
             for rank in plan.worker_ranks(i):
                 env = dict(base_env, **rendezvous.horovod_env(slots[rank], host, int(port), interface))
@@ -204,13 +205,10 @@ def _wait_for_every_host(tasks, watcher, plan, i, timeout, start):
                                          _tasks.exit_code(task.process.returncode) or 1, task.log_path)
                 _publish(plan.coordinator, f"host_{i}", _status(failure.code, failure.name, failure.what))
                 return failure
-        failure = watcher.failure(force=True)
+        statuses, failure = watcher.poll(force=True)
         if failure is not None:
             return failure
-        try:
-            statuses = watcher.statuses()
-        except OSError:
-            statuses = {}
+        statuses = statuses or {}
         if statuses and all(s == "done" for s in statuses.values()):
             _publish(plan.coordinator, f"ack_{i}", "1")
             return None

@@ -77,9 +77,9 @@ def _is_int(value):
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def architecture_from_env(explicit: Optional[str]) -> str:
+def architecture_from_env(explicit: Optional[str], default: str = "hybrid") -> str:
     """The architecture argument if given, else ``$KPARALLAX_ARCHITECTURE`` (set by ``kparallax-run
-    --architecture``), else ``"hybrid"``."""
+    --architecture``), else ``default``."""
     if explicit is not None:
         return explicit
-    return os.environ.get(ARCHITECTURE_ENV) or "hybrid"
+    return os.environ.get(ARCHITECTURE_ENV) or default

@@ -90,3 +90,33 @@ def split_weights(variables, values):
 
 def whole_weight_count(variables):
     return sum(1 for v in variables if table_of(v) is None or table_of(v)[1] == 0)
+
+
+def join_row_state(shards, states):
+    """Joins per-shard optimizer state into per-table arrays.
+
+    ``states[i]`` lists shard i's optimizer variables (same order for every shard). Row-shaped ones (slots shaped
+    like their shard) are concatenated over shards; the others (``iterations``, ...) are taken from shard 0.
+    """
+    joined = []
+    for j in range(len(states[0])):
+        parts = [state[j] for state in states]
+        if all(p.shape.rank and p.shape == s.shape for p, s in zip(parts, shards)):
+            joined.append(np.concatenate([p.numpy() for p in parts], axis=0))
+        else:
+            joined.append(parts[0].numpy())
+    return joined
+
+
+def split_row_state(shards, states, joined):
+    """Inverse of ``join_row_state``: assigns each joined array to the optimizer variables of ``shards``."""
+    bounds = np.cumsum([0] + [int(s.shape[0]) for s in shards])
+    for j, value in enumerate(joined):
+        for i, state in enumerate(states):
+            row_shaped = state[j].shape.rank and state[j].shape == shards[i].shape
+            part = value[bounds[i]:bounds[i + 1]] if row_shaped and np.ndim(value) else value
+            if tuple(state[j].shape) != tuple(np.shape(part)):
+                raise ValueError(f"Optimizer state {j} of a table has shape {np.shape(value)}, which does not fit "
+                                 f"{state[j].shape}: was it written for another model or optimizer? "
+                                 f"Received: {np.shape(value)}.")
+            state[j].assign(part)

@@ -8,6 +8,7 @@ User rules override the default; a path matched by two user rules is an error.
 """
 
 import dataclasses
+import math
 import re
 from typing import Mapping, Optional, Tuple
 
@@ -111,7 +112,7 @@ class Placement:
             raise ValueError(f"Variable {path!r} has {num_rows} rows and cannot be split into {parts} shards. "
                              f"Received: partitions={parts}. Use at most {max(num_rows, 1)}.")
         rows = shard_rows(num_rows, parts) if parts > 1 else (num_rows,)
-        row_size = _product(shape[1:])
+        row_size = math.prod(int(d) for d in shape[1:])
         return Decision(PS, why, tuple(self.assign(r * row_size) for r in rows), rows, auto)
 
     def settle_auto(self, partitions: int):
@@ -123,10 +124,3 @@ class Placement:
         task = min(range(len(self._ps_load)), key=lambda i: (self._ps_load[i], i))
         self._ps_load[task] += num_elements
         return task
-
-
-def _product(values):
-    out = 1
-    for v in values:
-        out *= int(v)
-    return out

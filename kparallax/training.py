@@ -14,11 +14,13 @@ Under a strategy:
 """
 
 import contextlib
-import os
-import re
 import functools
 import inspect
+import os
+import re
 import threading
+
+import tensorflow as tf
 
 from kparallax import _compat
 from kparallax import callbacks as kp_callbacks
@@ -170,7 +172,7 @@ def _set_weights(layer, weights):
                              f"value given has shape {getattr(value, 'shape', None)}. Received: a mismatched list.")
         if not strategy.is_ps_variable(variable):
             pairs.append((variable, value))
-    _compat.batch_set_value(pairs)
+    tf.keras.backend.batch_set_value(pairs)
     return None
 
 

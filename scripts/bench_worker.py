@@ -47,12 +47,13 @@ def build(model_name, batch_size, workers, rank):
         x, y = lm1b_data.synthetic(config.batch_size * 64, config.num_steps, config.vocab_size, seed=rank)
         data = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(config.batch_size, drop_remainder=True)
         items = config.batch_size * config.num_steps
-        unique = np.mean([len(np.unique(x[i:i + config.batch_size])) for i in range(0, 64 * config.batch_size,
-                                                                                    config.batch_size)])
-        unique_targets = np.mean([len(np.unique(y[i:i + config.batch_size])) for i in range(0, 64 * config.batch_size,
-                                                                                           config.batch_size)])
+
+        def mean_unique(ids):  # distinct ids per batch, averaged over the 64 batches of data
+            return float(np.mean([len(np.unique(batch)) for batch in np.split(ids, 64)]))
+
+        unique, unique_targets = mean_unique(x), mean_unique(y)
         info = {"unit": "words", "items_per_step": items, "row_bytes": 4 * config.embedding_dim,
-                "softmax_row_bytes": 4 * (config.projection_dim + 1), "unique_input_rows": float(unique),
+                "softmax_row_bytes": 4 * (config.projection_dim + 1), "unique_input_rows": unique,
                 "unique_softmax_rows": float(min(unique_targets + config.num_sampled, config.vocab_size)),
                 "num_sampled": config.num_sampled}
         return (lambda: lm1b.LM1B(config)), (lambda: lm1b.make_optimizer(config)), None, data, info
@@ -63,32 +64,32 @@ def build(model_name, batch_size, workers, rank):
     return (lambda: resnet.build(config)), (lambda: resnet.make_optimizer(config, workers)), loss, data, info
 
 
-class Timer:
-    def __init__(self, warmup):
-        import tensorflow as tf
+def step_timer(warmup):
+    """A callback recording each step's seconds after ``warmup`` steps, and the loopback bytes sent meanwhile."""
+    import tensorflow as tf
 
-        class _Callback(tf.keras.callbacks.Callback):
-            def __init__(cb):
-                super().__init__()
-                cb.times, cb.marks, cb.bytes = [], None, None
+    class StepTimer(tf.keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.times, self.mark, self.bytes = [], None, None
 
-            def on_train_batch_end(cb, batch, logs=None):
-                now = time.perf_counter()
-                if batch + 1 == warmup:
-                    cb.marks, cb.bytes = now, lo_tx_bytes()
-                elif batch + 1 > warmup:
-                    cb.times.append(now - cb.marks)
-                    cb.marks = now
+        def on_train_batch_end(self, batch, logs=None):
+            now = time.perf_counter()
+            if batch + 1 == warmup:
+                self.mark, self.bytes = now, lo_tx_bytes()
+            elif batch + 1 > warmup:
+                self.times.append(now - self.mark)
+                self.mark = now
 
-            def on_train_end(cb, logs=None):
-                cb.bytes = lo_tx_bytes() - (cb.bytes or 0)
-        self.callback = _Callback()
+        def on_train_end(self, logs=None):
+            self.bytes = lo_tx_bytes() - (self.bytes or 0)
+    return StepTimer()
 
 
 def main():
     args = parse()
     variant = args.variant
-    timer = Timer(args.warmup)
+    timer = step_timer(args.warmup)
     if variant.startswith("kparallax-"):
         import kparallax as kp
         architecture = {"kparallax-hybrid": "hybrid", "kparallax-allreduce": "allreduce",
@@ -101,8 +102,7 @@ def main():
             model = make_model()
             model.compile(optimizer=make_optimizer(), loss=loss)
             model.fit(kp.data.per_worker(data), epochs=1, steps_per_epoch=args.warmup + args.steps, verbose=0,
-                      callbacks=[timer.callback])
-        params = model
+                      callbacks=[timer])
     elif variant.startswith("horovod"):
         import horovod.tensorflow.keras as hvd
         hvd.init()
@@ -112,25 +112,23 @@ def main():
         optimizer = hvd.DistributedOptimizer(make_optimizer(), sparse_as_dense=variant == "horovod-dense")
         model.compile(optimizer=optimizer, loss=loss)
         model.fit(data, epochs=1, steps_per_epoch=args.warmup + args.steps, verbose=0,
-                  callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), timer.callback])
-        params = model
+                  callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), timer])
     elif variant == "single":
         workers, rank = 1, 0
         make_model, make_optimizer, loss, data, info = build(args.model, args.batch_size, 1, 0)
         model = make_model()
         model.compile(optimizer=make_optimizer(), loss=loss)
-        model.fit(data, epochs=1, steps_per_epoch=args.warmup + args.steps, verbose=0, callbacks=[timer.callback])
-        params = model
+        model.fit(data, epochs=1, steps_per_epoch=args.warmup + args.steps, verbose=0, callbacks=[timer])
     else:
         raise SystemExit(f"unknown variant {variant!r}")
     if rank == 0:
         import numpy as np
-        sparse = [w for w in params.trainable_weights if "embedding" in w.name or "softmax" in w.name]
-        dense_bytes = 4 * sum(int(np.prod(w.shape)) for w in params.trainable_weights if not any(w is s for s in sparse))
+        sparse = [w for w in model.trainable_weights if "embedding" in w.name or "softmax" in w.name]
+        dense_bytes = 4 * sum(int(np.prod(w.shape)) for w in model.trainable_weights if not any(w is s for s in sparse))
         table_bytes = 4 * sum(int(np.prod(w.shape)) for w in sparse)
         with open(args.out, "w", encoding="utf-8") as f:
-            json.dump({"variant": variant, "workers": workers, "step_seconds": timer.callback.times,
-                       "lo_bytes": timer.callback.bytes, "timed_steps": len(timer.callback.times),
+            json.dump({"variant": variant, "workers": workers, "step_seconds": timer.times,
+                       "lo_bytes": timer.bytes, "timed_steps": len(timer.times),
                        "dense_bytes": dense_bytes, "table_bytes": table_bytes, **info}, f)
 
 

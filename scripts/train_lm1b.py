@@ -89,8 +89,8 @@ def main(argv):
 
     tf.keras.utils.set_random_seed(FLAGS.seed)
     cluster = kp.Cluster.from_env()
-    architecture = FLAGS.architecture or os.environ.get("KPARALLAX_ARCHITECTURE") or (
-        "hybrid" if cluster.num_ps else "allreduce")
+    architecture = kp.options.architecture_from_env(FLAGS.architecture,
+                                                    default="hybrid" if cluster.num_ps else "allreduce")
     strategy = kp.HybridStrategy(cluster, architecture=architecture, partitions=_partitions(FLAGS.partitions))
     _prepare_model_dir(FLAGS.model_dir, strategy.is_chief)
     overrides = {k: getattr(FLAGS, k) for k in ("batch_size", "num_steps", "learning_rate")

@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from kparallax import _compat
 from kparallax import allreduce
+from kparallax import partition
 
 
 def dedup(grad):
@@ -60,30 +61,26 @@ class SparseAggregator:
         self._counters = {}
         self._optimizers = {}
         self._sink = None
-        self.pushed_bytes = []
-        self.learning_rate_source = None  # the optimizer Keras trains with; clones read its learning rate  # while tracing a step: scalar tensors, bytes this worker pushes to the PS
+        self.pushed_bytes = []  # while tracing a step: scalar tensors, bytes this worker pushes to the PS
+        self.learning_rate_source = None  # the optimizer Keras trains with; clones read its learning rate
 
     # Variables next to each PS variable ---------------------------------------------------------------
     @tf.autograph.experimental.do_not_convert
-    def _accumulator(self, variable):
+    def _next_to(self, variable, cache, suffix, shape, dtype):
+        """The zero-initialized shared helper variable ``<path>/<suffix>`` on ``variable``'s PS task."""
         key = variable.ref()
-        if key not in self._accumulators:
+        if key not in cache:
             path, task = self._ps_info(variable)
             with tf.init_scope():
-                self._accumulators[key] = self._store.create(
-                    f"{path}/kp_accumulator", variable.shape, variable.dtype,
-                    lambda: tf.zeros(variable.shape, variable.dtype), task, trainable=False)
-        return self._accumulators[key]
+                cache[key] = self._store.create(f"{path}/{suffix}", shape, dtype, lambda: tf.zeros(shape, dtype),
+                                                task, trainable=False)
+        return cache[key]
 
-    @tf.autograph.experimental.do_not_convert
+    def _accumulator(self, variable):
+        return self._next_to(variable, self._accumulators, "kp_accumulator", variable.shape, variable.dtype)
+
     def _counter(self, variable):
-        key = variable.ref()
-        if key not in self._counters:
-            path, task = self._ps_info(variable)
-            with tf.init_scope():
-                self._counters[key] = self._store.create(f"{path}/kp_pushes", [], tf.int64,
-                                                         lambda: tf.constant(0, tf.int64), task, trainable=False)
-        return self._counters[key]
+        return self._next_to(variable, self._counters, "kp_pushes", [], tf.int64)
 
     def push_counts(self):
         """{PS variable path: pushes it received so far} (every worker's, or one per host with local aggregation)."""
@@ -136,21 +133,8 @@ class SparseAggregator:
         if not self._is_chief or any(o is None for o in old):
             return [v for v in stale if v is not None]
         new = [self.table_optimizer(v) for v in new_variables]
-        old_state = [_compat.optimizer_variables(o) for o in old]
-        new_state = [_compat.optimizer_variables(o) for o in new]
-        bounds = [0]
-        for v in new_variables:
-            bounds.append(bounds[-1] + int(v.shape[0]))
-        for j in range(len(new_state[0])):
-            parts = [state[j] for state in old_state]
-            row_shaped = all(p.shape.rank and p.shape == v.shape for p, v in zip(parts, old_variables))
-            if row_shaped:
-                whole = tf.concat([p.read_value() for p in parts], 0)
-                for i, state in enumerate(new_state):
-                    state[j].assign(whole[bounds[i]:bounds[i + 1]])
-            else:
-                for state in new_state:
-                    state[j].assign(parts[0].read_value())
+        joined = partition.join_row_state(old_variables, [_compat.optimizer_variables(o) for o in old])
+        partition.split_row_state(new_variables, [_compat.optimizer_variables(o) for o in new], joined)
         _compat.async_wait()
         return [v for v in stale if v is not None]
 
