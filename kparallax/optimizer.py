@@ -103,10 +103,15 @@ class _RoutingMixin:
         ps_done = router.aggregator.push_and_apply(ps)
         ps_done = list(ps_done) + router.count_sent(dense)
         if dense:
-            dense = allreduce.average_gradients(dense, router.num_workers, control_inputs=ps_done,
-                                                compression=router.options.compression,
+            # The dense allreduce runs while the PS path (push, ids, the chief's update) is in flight; the step ends
+            # at a barrier after the PS path, so no worker reads PS rows of the next step before the update.
+            dense = allreduce.average_gradients(dense, router.num_workers, compression=router.options.compression,
                                                 sparse_as_dense=router.options.sparse_as_dense)
-            return super().apply_gradients(dense, *args, **kwargs)
+            applied = super().apply_gradients(dense, *args, **kwargs)
+            if ps_done and router.options.sync:
+                token = allreduce.barrier(router.num_workers, control_inputs=ps_done, name="kp_step_done")
+                router.aggregator.consume([token])   # a data edge: Grappler would prune a control-only collective
+            return applied
         if router.options.sync:
             token = allreduce.barrier(router.num_workers, control_inputs=ps_done)
             return self.iterations.assign_add(tf.cast(token, tf.int64) * 0 + 1)  # data edge: the barrier must run

@@ -22,7 +22,9 @@ class Options:
       auto_steps: timed steps per candidate partition count of the ``"auto"`` search (after one warm-up step).
       average_sparse: average (True, the single-process equivalent) or sum sparse gradients over workers.
       sparse_as_dense: under ``"allreduce"``, densify IndexedSlices and allreduce them instead of allgathering.
-      local_aggregation: workers on one host combine their sparse gradients before one push per host.
+      local_aggregation: workers on one host combine their sparse gradients before one push per host. ``"auto"``
+        (default): on unless the whole job (every worker and PS task) runs on one host, where pushes never cross
+        a network and the extra collective only costs time.
       backward_passes_per_step: micro-batches each worker accumulates locally before communicating once.
       sync: False applies each worker's PS update on arrival (asynchronous PS); dense allreduce stays synchronous.
       compression: ``"none"`` or ``"fp16"`` for the dense allreduce.
@@ -34,7 +36,7 @@ class Options:
     auto_steps: int = 5
     average_sparse: bool = True
     sparse_as_dense: bool = False
-    local_aggregation: bool = True
+    local_aggregation: Union[bool, str] = AUTO
     backward_passes_per_step: int = 1
     sync: bool = True
     compression: str = "none"
@@ -53,7 +55,10 @@ class Options:
         if not (_is_int(self.backward_passes_per_step) and self.backward_passes_per_step >= 1):
             raise ValueError("backward_passes_per_step must be an integer >= 1. Received: backward_passes_per_step="
                              f"{self.backward_passes_per_step!r}.")
-        for name in ("average_sparse", "sparse_as_dense", "local_aggregation", "sync"):
+        if self.local_aggregation != AUTO and not isinstance(self.local_aggregation, bool):
+            raise TypeError("local_aggregation must be True, False or 'auto'. Received: local_aggregation="
+                            f"{self.local_aggregation!r}.")
+        for name in ("average_sparse", "sparse_as_dense", "sync"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False. Received: {name}={getattr(self, name)!r}.")
         if self.compression not in COMPRESSIONS:

@@ -145,6 +145,15 @@ def connect(cluster, connect_timeout=30.0):
     _check_index_is_rank(cluster, hvd.rank(), "Horovod rank")
 
 
+def job_on_one_host(cluster):
+    """Whether every worker and PS task of ``cluster`` has the same host (loopback names count as one host)."""
+    hosts = set()
+    for address in cluster.workers + cluster.ps:
+        host = address.rsplit(":", 1)[0].strip("[]")
+        hosts.add("localhost" if host in ("localhost", "::1") or host.startswith("127.") else host)
+    return len(hosts) == 1
+
+
 def local_process_set():
     """The Horovod process set of the workers on this host (the global set when all share one host).
 

@@ -49,7 +49,8 @@ class HybridStrategy:
       auto_steps: timed steps per candidate of the ``"auto"`` search (each after one warm-up step).
       average_sparse: average sparse gradients over workers (True, the single-process equivalent) or sum them.
       sparse_as_dense: under ``"allreduce"``, densify sparse gradients instead of allgathering them.
-      local_aggregation: workers on one host sum their sparse gradients and one of them pushes per host.
+      local_aggregation: workers on one host sum their sparse gradients and one of them pushes per host;
+        ``"auto"`` (default) does so unless every worker and PS task is on one host.
       backward_passes_per_step: micro-batches accumulated locally (dense and sparse) before one communication
         and one update; ``fit``'s ``batch_size`` is then the micro-batch.
       sync: False makes PS updates asynchronous (each worker's update applied on arrival; dense stays synchronous).
@@ -70,7 +71,7 @@ class HybridStrategy:
     def __init__(self, cluster: Optional[Cluster] = None, *, architecture: Optional[str] = None,
                  placement: Optional[Mapping[str, str]] = None, partitions: Union[int, str] = 1,
                  max_partitions: int = 16, auto_steps: int = 5, average_sparse: bool = True, sparse_as_dense: bool = False,
-                 local_aggregation: bool = True, backward_passes_per_step: int = 1, sync: bool = True,
+                 local_aggregation: Union[bool, str] = "auto", backward_passes_per_step: int = 1, sync: bool = True,
                  compression: str = "none", connect_timeout: float = 30.0, init_timeout: float = 300.0):
         cluster = Cluster.from_env() if cluster is None else cluster
         if not isinstance(cluster, Cluster):
@@ -243,7 +244,10 @@ class HybridStrategy:
         """Returns the routing optimizer for ``optimizer`` (a string or tf.keras optimizer)."""
         optimizer = optimizer_lib.resolve(optimizer)
         local_set = None
-        if self._options.local_aggregation and self._options.sync and self.num_workers > 1 and self._cluster.ps:
+        aggregate = self._options.local_aggregation
+        if aggregate == "auto":
+            aggregate = not runtime.job_on_one_host(self._cluster)
+        if aggregate and self._options.sync and self.num_workers > 1 and self._cluster.ps:
             local_set = runtime.local_process_set()
         aggregator = sparse.SparseAggregator(self._store, self.ps_info, optimizer, self.num_workers, self.is_chief,
                                              average=self._options.average_sparse, local_set=local_set,

@@ -1,12 +1,13 @@
 """One benchmark run of one variant (started by scripts/benchmark.py; not a user entry point).
 
-    bench_worker.py --variant V --model M --steps S --warmup W --batch_size B --out FILE
+    bench_worker.py --variant V --model M --steps S --warmup W --batch_size B --out FILE [--partitions P]
 
 Variants: kparallax-hybrid / -allreduce / -allreduce-dense / -ps (kparallax under kparallax-run), horovod /
-horovod-dense (plain Horovod Keras under horovodrun: hvd.DistributedOptimizer + BroadcastGlobalVariablesCallback;
-kparallax is never imported), single (one plain process). Synthetic data. Worker 0 writes FILE (JSON): per-step
-times after the warm-up, and the loopback interface's transmitted bytes over the timed steps (every task of the
-run talks over loopback on one machine, so that is the run's traffic), plus the analytic floor inputs.
+horovod-dense (plain Horovod Keras: hvd.DistributedOptimizer + BroadcastGlobalVariablesCallback; kparallax is never
+imported), tf-pss (TensorFlow ParameterServerStrategy + Model.fit; this process is the chief, a worker server or a PS
+server, as TF_CONFIG says), single (one plain process). Synthetic data. Worker 0 (the chief for tf-pss) writes
+``start`` and ``stop`` around the timed steps to the FIFO named by $KPBENCH_MARKS (the driver reads the byte
+counters then), and writes FILE (JSON): per-step times after the warm-up, plus the analytic floor inputs.
 """
 
 import argparse
@@ -16,15 +17,15 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import traffic  # noqa: E402  pylint: disable=wrong-import-position  (scripts/ is on the path: this file's dir)
 
 
-def lo_tx_bytes():
-    with open("/proc/net/dev", encoding="utf-8") as f:
-        for line in f:
-            name, _, data = line.partition(":")
-            if name.strip() == "lo":
-                return int(data.split()[8])
-    return 0
+def mark(label):
+    """Tells the driver that the timed window starts or stops (it reads the byte counters at once)."""
+    path = os.environ.get("KPBENCH_MARKS")
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(label + "\n")
 
 
 def parse():
@@ -35,6 +36,7 @@ def parse():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch_size", type=int, default=None)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--partitions", type=int, default=1, help="kparallax variants: shards per table")
     return parser.parse_args()
 
 
@@ -46,16 +48,8 @@ def build(model_name, batch_size, workers, rank):
         config = lm1b.preset(model_name, **({"batch_size": batch_size} if batch_size else {}))
         x, y = lm1b_data.synthetic(config.batch_size * 64, config.num_steps, config.vocab_size, seed=rank)
         data = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(config.batch_size, drop_remainder=True)
-        items = config.batch_size * config.num_steps
 
-        def mean_unique(ids):  # distinct ids per batch, averaged over the 64 batches of data
-            return float(np.mean([len(np.unique(batch)) for batch in np.split(ids, 64)]))
-
-        unique, unique_targets = mean_unique(x), mean_unique(y)
-        info = {"unit": "words", "items_per_step": items, "row_bytes": 4 * config.embedding_dim,
-                "softmax_row_bytes": 4 * (config.projection_dim + 1), "unique_input_rows": unique,
-                "unique_softmax_rows": float(min(unique_targets + config.num_sampled, config.vocab_size)),
-                "num_sampled": config.num_sampled}
+        info = traffic.lm1b_shape(config, seed=rank)
         return (lambda: lm1b.LM1B(config)), (lambda: lm1b.make_optimizer(config)), None, data, info
     config = resnet.preset(model_name, **({"batch_size": batch_size} if batch_size else {}))
     data = imagenet_data.synthetic(config.batch_size, config.image_size, config.num_classes, seed=rank)
@@ -64,39 +58,104 @@ def build(model_name, batch_size, workers, rank):
     return (lambda: resnet.build(config)), (lambda: resnet.make_optimizer(config, workers)), loss, data, info
 
 
-def step_timer(warmup):
-    """A callback recording each step's seconds after ``warmup`` steps, and the loopback bytes sent meanwhile."""
+def step_timer(warmup, rank):
+    """A callback recording each step's seconds after ``warmup`` steps; rank 0 marks the timed window."""
     import tensorflow as tf
 
     class StepTimer(tf.keras.callbacks.Callback):
         def __init__(self):
             super().__init__()
-            self.times, self.mark, self.bytes = [], None, None
+            self.times, self.last = [], None
 
         def on_train_batch_end(self, batch, logs=None):
             now = time.perf_counter()
-            if batch + 1 == warmup:
-                self.mark, self.bytes = now, lo_tx_bytes()
-            elif batch + 1 > warmup:
-                self.times.append(now - self.mark)
-                self.mark = now
+            if batch + 1 == warmup and rank == 0:
+                mark("start")
+            if batch + 1 > warmup:
+                self.times.append(now - self.last)
+            self.last = now
+
+        @property
+        def timed_steps(self):
+            return len(self.times)
 
         def on_train_end(self, logs=None):
-            self.bytes = lo_tx_bytes() - (self.bytes or 0)
+            if rank == 0:
+                mark("stop")
     return StepTimer()
+
+
+def epoch_timer(rounds):
+    """tf-pss: Model.fit joins all scheduled steps at each epoch's end; epoch 0 is the warm-up, and each later
+    epoch of ``rounds`` steps per worker gives one sample of seconds per round."""
+    import tensorflow as tf
+
+    class EpochTimer(tf.keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.times, self.last = [], None
+
+        def on_epoch_end(self, epoch, logs=None):
+            now = time.perf_counter()
+            if epoch == 0:
+                mark("start")
+            else:
+                self.times.append((now - self.last) / rounds)
+            self.last = now
+
+        @property
+        def timed_steps(self):  # per worker
+            return len(self.times) * rounds
+
+        def on_train_end(self, logs=None):
+            mark("stop")
+    return EpochTimer()
+
+
+def tf_pss(args):
+    """The tf-pss variant: serve as a worker or PS, or (the chief) run Model.fit. Returns (model, timer, info)."""
+    import math
+    import tensorflow as tf
+    config = json.loads(os.environ["TF_CONFIG"])
+    task, cluster = config["task"], config["cluster"]
+    if task["type"] in ("worker", "ps"):
+        server = tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=task["type"], task_index=task["index"],
+                                      protocol="grpc", start=True)
+        server.join()
+    workers, num_ps = len(cluster["worker"]), len(cluster["ps"])
+    partitioner = (tf.distribute.experimental.partitioners.MinSizePartitioner(max_shards=num_ps) if num_ps > 1
+                   else None)
+    strategy = tf.distribute.ParameterServerStrategy(
+        tf.distribute.cluster_resolver.TFConfigClusterResolver(), variable_partitioner=partitioner)
+    make_model, make_optimizer, loss, _, info = build(args.model, args.batch_size, workers, 0)
+    with strategy.scope():
+        model = make_model()
+        model.compile(optimizer=make_optimizer(), loss=loss)
+    rounds = max(args.warmup, math.ceil(args.steps / 5))   # steps per worker per epoch
+
+    def dataset_fn(context):
+        return build(args.model, args.batch_size, workers, context.input_pipeline_id)[3]
+    timer = epoch_timer(rounds)
+    model.fit(tf.keras.utils.experimental.DatasetCreator(dataset_fn), epochs=1 + math.ceil(args.steps / rounds),
+              steps_per_epoch=rounds * workers, verbose=0, callbacks=[timer])
+    return model, timer, workers, info
 
 
 def main():
     args = parse()
     variant = args.variant
-    timer = step_timer(args.warmup)
-    if variant.startswith("kparallax-"):
+    if variant == "tf-pss":
+        model, timer, workers, info = tf_pss(args)
+        rank = 0
+    elif variant.startswith("kparallax-"):
         import kparallax as kp
         architecture = {"kparallax-hybrid": "hybrid", "kparallax-allreduce": "allreduce",
                         "kparallax-allreduce-dense": "allreduce", "kparallax-ps": "ps"}[variant]
         strategy = kp.HybridStrategy(kp.Cluster.from_env(), architecture=architecture,
-                                     sparse_as_dense=variant == "kparallax-allreduce-dense")
+                                     sparse_as_dense=variant == "kparallax-allreduce-dense",
+                                     partitions=args.partitions)
         workers, rank = strategy.num_workers, strategy.worker_index
+        timer = step_timer(args.warmup, rank)
         make_model, make_optimizer, loss, data, info = build(args.model, args.batch_size, workers, rank)
         with strategy.scope():
             model = make_model()
@@ -107,6 +166,7 @@ def main():
         import horovod.tensorflow.keras as hvd
         hvd.init()
         workers, rank = hvd.size(), hvd.rank()
+        timer = step_timer(args.warmup, rank)
         make_model, make_optimizer, loss, data, info = build(args.model, args.batch_size, workers, rank)
         model = make_model()
         optimizer = hvd.DistributedOptimizer(make_optimizer(), sparse_as_dense=variant == "horovod-dense")
@@ -115,6 +175,7 @@ def main():
                   callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), timer])
     elif variant == "single":
         workers, rank = 1, 0
+        timer = step_timer(args.warmup, rank)
         make_model, make_optimizer, loss, data, info = build(args.model, args.batch_size, 1, 0)
         model = make_model()
         model.compile(optimizer=make_optimizer(), loss=loss)
@@ -126,10 +187,11 @@ def main():
         sparse = [w for w in model.trainable_weights if "embedding" in w.name or "softmax" in w.name]
         dense_bytes = 4 * sum(int(np.prod(w.shape)) for w in model.trainable_weights if not any(w is s for s in sparse))
         table_bytes = 4 * sum(int(np.prod(w.shape)) for w in sparse)
+        shape = {**info, "dense_bytes": dense_bytes, **({"table_bytes": table_bytes} if table_bytes else {})}
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump({"variant": variant, "workers": workers, "step_seconds": timer.times,
-                       "lo_bytes": timer.bytes, "timed_steps": len(timer.times),
-                       "dense_bytes": dense_bytes, "table_bytes": table_bytes, **info}, f)
+                       "timed_steps": timer.timed_steps,
+                       "shape": shape}, f)
 
 
 if __name__ == "__main__":

@@ -1,39 +1,55 @@
-"""Benchmarks kparallax's architectures against plain Horovod Keras and a single process, side by side.
+"""Benchmarks kparallax's architectures against plain Horovod Keras, TensorFlow's ParameterServerStrategy and a
+single process, side by side.
 
     .venv/bin/python scripts/benchmark.py --model lm1b_small --workers 2 --steps 50 --repeats 3 --json out.json
     .venv/bin/python scripts/benchmark.py --model lm1b_small --workers 2,4,8 --batch_size 4 --steps 20 \\
-        --variants kparallax-hybrid,horovod --json bytes.json
+        --variants kparallax-hybrid,horovod --emulate-network unlimited --json bytes.json
+    .venv/bin/python scripts/benchmark.py --model lm1b_small --workers 4 --emulate-network 1gbit --json slow.json
 
-Variants run one at a time, alternating (A B C ... A B C ...), each a fresh job on this machine: kparallax-hybrid,
-kparallax-allreduce (allgather of sparse gradients), kparallax-allreduce-dense, kparallax-ps (kparallax-run, 1 PS
-task where needed), horovod and horovod-dense (plain Horovod Keras under horovodrun, no kparallax code), single
-(one plain process; workers=1 only). Same model, same synthetic data, same per-worker batch.
+Variants run one at a time, alternating (A B C ... A B C ...), each a fresh job: kparallax-hybrid,
+kparallax-allreduce (allgather of sparse gradients), kparallax-allreduce-dense, kparallax-ps (under kparallax-run),
+horovod and horovod-dense (plain Horovod Keras: hvd.DistributedOptimizer + BroadcastGlobalVariablesCallback, no
+kparallax code, started with Horovod's Gloo rendezvous), tf-pss (TensorFlow ParameterServerStrategy with Model.fit:
+a chief, TF servers for the workers and PS tasks; asynchronous, as that strategy is), single (one plain process;
+workers=1 only). Same model, same synthetic data, same per-worker batch. Variants that need them get ``--ps`` PS
+tasks (default 1; with more, kparallax tables get as many partitions and tf-pss a MinSizePartitioner as many shards).
+
+Where: by default every task runs on this machine and talks over loopback. ``--emulate-network RATE`` (e.g. 1gbit,
+100mbit, or ``unlimited``) puts each worker on its own emulated host - a network namespace on a bridge, its link
+limited to RATE in each direction by tc (PS task i shares host i) - so the communication-bound regime of a cluster
+shows up on one machine (scripts/netem.py; root needed).
 
 For each variant and worker count: throughput (global items/s: median and min/max over repeats, from the median step
-time of each repeat), ms/step, **measured** bytes per step per worker (the loopback interface's transmitted bytes
-during the timed steps / steps / workers: every task of a run talks over loopback here, and variants never run at
-the same time), and the analytic floor (rows pulled and pushed for PS variants, ring allgather / allreduce volumes
-for the others). Writes JSON (``"variants"`` keyed ``<variant>@<workers>``), a Markdown table (``--markdown``) and a
-PNG chart (``--png``).
-
-Not implemented yet (the run says so if asked): TensorFlow's ParameterServerStrategy variant (``tf-pss``) and
-``--emulate-network`` (network namespaces with tc rate limits).
+time of each repeat), ms/step, **measured** bytes per step per worker (bytes sent during the timed steps / steps /
+workers: loopback counters locally, all hosts' link counters when emulated; worker 0 marks the timed window through
+a FIFO and this driver reads the counters at each mark), and the analytic floor (rows pulled and pushed for PS
+variants, ring allgather / allreduce volumes for the others). Writes JSON (``"variants"`` keyed
+``<variant>@<workers>``), a Markdown table (``--markdown``) and a PNG chart (``--png``).
 """
 
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
+import portpicker
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import netem  # noqa: E402  pylint: disable=wrong-import-position
+import traffic  # noqa: E402  pylint: disable=wrong-import-position
+from kparallax import rendezvous  # noqa: E402  pylint: disable=wrong-import-position
+
 WORKER = os.path.join(ROOT, "scripts", "bench_worker.py")
 VARIANTS = ["kparallax-hybrid", "kparallax-allreduce", "kparallax-allreduce-dense", "kparallax-ps", "horovod",
-            "horovod-dense", "single"]
-NOT_YET = {"tf-pss": "TensorFlow ParameterServerStrategy is not implemented in this benchmark yet"}
+            "horovod-dense", "tf-pss", "single"]
 
 
 def parse(argv=None):
@@ -44,20 +60,22 @@ def parse(argv=None):
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (tracing)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch_size", type=int, default=None, help="per-worker batch (default: the preset's)")
+    parser.add_argument("--ps", type=int, default=1, help="PS tasks for the variants that use them")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--json", default="benchmark.json")
     parser.add_argument("--markdown", default=None, help="write the table here too (default: print only)")
     parser.add_argument("--png", default=None, help="write the chart here (matplotlib)")
-    parser.add_argument("--emulate-network", dest="emulate_network", default=None)
+    parser.add_argument("--emulate-network", dest="emulate_network", default=None,
+                        help="RATE per host link (1gbit, 100mbit, ...) or 'unlimited': one namespace per worker")
     parser.add_argument("--timeout", type=float, default=900.0, help="per run")
     args = parser.parse_args(argv)
     if args.emulate_network:
-        parser.error("--emulate-network is not implemented yet (it needs network namespaces with tc rate limits). "
-                     f"Received: --emulate-network={args.emulate_network}.")
+        try:
+            args.rate = netem.parse_rate(args.emulate_network)
+        except ValueError as e:
+            parser.error(f"--emulate-network: {e}")
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     for v in args.variants:
-        if v in NOT_YET:
-            parser.error(f"{NOT_YET[v]}. Received: --variants including {v}.")
         if v not in VARIANTS:
             parser.error(f"unknown variant {v!r}; choose from {VARIANTS}. Received: --variants={','.join(args.variants)}.")
     try:
@@ -66,69 +84,227 @@ def parse(argv=None):
         parser.error(f"--workers takes integers like 1,2,4. Received: --workers={args.workers}.")
     if any(w < 1 for w in args.workers) or args.steps < 1 or args.repeats < 1:
         parser.error("--workers, --steps and --repeats must be >= 1.")
+    if args.ps < 1:
+        parser.error(f"--ps must be >= 1. Received: --ps={args.ps}.")
+    if args.emulate_network and args.ps > min(args.workers):
+        parser.error(f"with --emulate-network, PS task i runs on worker i's host, so --ps may not exceed the "
+                     f"smallest worker count. Received: --ps={args.ps}, --workers={','.join(map(str, args.workers))}.")
     return args
 
 
-def command(variant, workers, args, out):
-    bench = [sys.executable, WORKER, "--variant", variant, "--model", args.model, "--steps", str(args.steps),
-             "--warmup", str(args.warmup), "--out", out] + (["--batch_size", str(args.batch_size)] if args.batch_size
-                                                            else [])
-    if variant == "single":
-        return bench
-    if variant.startswith("horovod"):
-        return [os.path.join(os.path.dirname(sys.executable), "horovodrun"), "--gloo", "-np", str(workers), "-H",
-                f"localhost:{workers}"] + bench
-    needs_ps = variant in ("kparallax-hybrid", "kparallax-ps")
-    return [sys.executable, "-m", "kparallax.launch", "--workers", str(workers), "--ps", "1" if needs_ps else "0",
-            "--quiet", "--timeout", str(args.timeout), "--log_dir", os.path.dirname(out) + f"/logs-{variant}"] + [
-                "--"] + bench
+def _bench(variant, args, out):
+    return [sys.executable, WORKER, "--variant", variant, "--model", args.model, "--steps", str(args.steps),
+            "--warmup", str(args.warmup), "--out", out] + (["--batch_size", str(args.batch_size)] if args.batch_size
+                                                           else [])
 
 
-def floor_bytes(result, variant):
-    """Analytic minimum bytes one worker sends + receives per step (ring collectives, PS pulls and pushes)."""
-    n = result["workers"]
-    dense = result["dense_bytes"]
-    ring_dense = 2 * (n - 1) / n * dense if n > 1 else 0
-    if result["unit"] != "words":  # a dense model: every variant moves the dense gradient once
-        return ring_dense if variant != "kparallax-ps" else 2 * dense
-    rows = (result["unique_input_rows"] * result["row_bytes"] + result["unique_softmax_rows"]
-            * result["softmax_row_bytes"])
-    ids = 8 * (result["unique_input_rows"] + result["unique_softmax_rows"])
+def _needs_ps(variant):
+    return variant in ("kparallax-hybrid", "kparallax-ps", "tf-pss")
+
+
+def plan(variant, workers, args, hosts, out, tmp):
+    """The processes of one run: ``(host index, argv, env, waited)``; the run is over when every waited one is."""
+    bench = _bench(variant, args, out)
+    num_ps = args.ps if _needs_ps(variant) else 0
     if variant == "single":
+        return [(0, bench, {}, True)]
+    if variant.startswith("kparallax-"):
+        logs = os.path.join(tmp, f"logs-{variant}-{workers}")
+        common = ["--quiet", "--timeout", str(args.timeout)]
+        bench = bench + ["--partitions", str(max(num_ps, 1))]
+        if not hosts.emulated:
+            return [(0, [sys.executable, "-m", "kparallax.launch", "--workers", str(workers), "--ps", str(num_ps),
+                         "--log_dir", logs] + common + ["--"] + bench, {}, True)]
+        cluster = os.path.join(tmp, f"cluster-{variant}-{workers}.yaml")
+        with open(cluster, "w", encoding="utf-8") as f:
+            f.write("hosts:\n" + "".join(f"  - host: {hosts.address(i)}\n    workers: 1\n    ps: "
+                                         f"{1 if i < num_ps else 0}\n" for i in range(workers)))
+        return [(i, [sys.executable, "-m", "kparallax.launch", "--cluster", cluster, "--host-index", str(i),
+                     "--log_dir", f"{logs}/host{i}"] + common + ["--"] + bench, {}, True) for i in range(workers)]
+    if variant.startswith("horovod"):  # plain Horovod workers; Horovod's own Gloo rendezvous (served by the driver)
+        slots = rendezvous.slot_plan([(hosts.address(i if hosts.emulated else 0), 1 if hosts.emulated else workers)
+                                      for i in range(workers if hosts.emulated else 1)])
+        port = portpicker.pick_unused_port()
+        hosts.serve(rendezvous.Coordinator(hosts.gateway, port, slots))
+        return [(hosts.host_of(rank), bench, rendezvous.horovod_env(slot, hosts.gateway, port,
+                                                                   hosts.interface(hosts.host_of(rank))), True)
+                for rank, slot in enumerate(slots)]
+    # tf-pss: TensorFlow servers for the workers and PS tasks, and a chief (coordinator) process running Model.fit.
+    ports = iter(portpicker.pick_unused_port() for _ in range(1 + workers + num_ps))
+    cluster = {"chief": [f"{hosts.address(0)}:{next(ports)}"],
+               "worker": [f"{hosts.address(hosts.host_of(i))}:{next(ports)}" for i in range(workers)],
+               "ps": [f"{hosts.address(hosts.host_of(i))}:{next(ports)}" for i in range(num_ps)]}
+
+    def config(role, index):
+        return {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": role, "index": index}})}
+    return ([(hosts.host_of(i), bench, config("ps", i), False) for i in range(num_ps)]
+            + [(hosts.host_of(i), bench, config("worker", i), False) for i in range(workers)]
+            + [(0, bench, config("chief", 0), True)])
+
+
+class LocalHosts:
+    """Every task on this machine, talking over loopback."""
+    emulated = False
+    gateway = "localhost"
+
+    def __init__(self):
+        self._served = []
+
+    @staticmethod
+    def address(index):
+        return "localhost"
+
+    @staticmethod
+    def host_of(task):
         return 0
-    if variant == "kparallax-hybrid":
-        return 2 * rows + ids + ring_dense          # pull touched rows, push their gradients + ids
-    if variant == "kparallax-ps":
-        return 2 * rows + ids + 2 * dense           # dense variables pulled and pushed whole
-    if variant in ("kparallax-allreduce", "horovod"):
-        gathered = (n - 1) * (rows * result["items_per_step"] / max(result["unique_input_rows"], 1) / 2 + ids)
-        return gathered + ring_dense if n > 1 else 0  # allgather: every worker receives everyone's slices
-    return 2 * (n - 1) / n * (dense + result["table_bytes"]) if n > 1 else 0  # sparse_as_dense
+
+    @staticmethod
+    def interface(index):
+        return "lo"
+
+    @staticmethod
+    def command(index, argv):
+        return list(argv)
+
+    @staticmethod
+    def sent_bytes():
+        return netem.loopback_sent_bytes()
+
+    def serve(self, coordinator):
+        self._served.append(coordinator)
+
+    def stop_serving(self):
+        while self._served:
+            self._served.pop().stop()
 
 
-def run_once(variant, workers, args, tmp):
+class EmulatedHosts(LocalHosts):
+    """One namespace ("host") per worker on an emulated network; PS task i on host i."""
+    emulated = True
+
+    def __init__(self, network):
+        super().__init__()
+        self.network, self.gateway = network, network.gateway
+
+    def address(self, index):
+        return self.network.address(index)
+
+    def host_of(self, task):
+        return task % self.network.hosts
+
+    def interface(self, index):
+        return self.network.interfaces[index]
+
+    def command(self, index, argv):
+        return self.network.command(index, argv)
+
+    def sent_bytes(self):
+        return self.network.sent_bytes()
+
+
+class Marks:
+    """Worker 0 (or the tf-pss chief) writes ``start``/``stop`` lines to a FIFO around the timed steps; the driver
+    reads the hosts' byte counters the moment each line arrives."""
+
+    def __init__(self, path, hosts):
+        os.mkfifo(path)
+        self.path, self._hosts, self.seen = path, hosts, {}
+        self._fd = os.open(path, os.O_RDWR)  # never EOF: writers come and go
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        pending = b""
+        while True:
+            try:
+                pending += os.read(self._fd, 4096)
+            except OSError:
+                return
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                self.seen[line.decode()] = self._hosts.sent_bytes()
+
+    def measured(self):
+        """Bytes sent between the last start and stop marks, or None when the run did not mark both."""
+        if "start" not in self.seen or "stop" not in self.seen:
+            return None
+        return self.seen["stop"] - self.seen["start"]
+
+
+def run_once(variant, workers, args, hosts, tmp):
     out = os.path.join(tmp, f"{variant}-{workers}-{time.monotonic_ns()}.json")
+    marks = Marks(out + ".marks", hosts)
     started = time.monotonic()
-    done = subprocess.run(command(variant, workers, args, out), capture_output=True, text=True,
-                          timeout=args.timeout + 120, check=False)
-    if done.returncode != 0 or not os.path.exists(out):
-        raise RuntimeError(f"{variant}@{workers} failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
+    procs = []
+    try:
+        for i, (host, argv, env, waited) in enumerate(plan(variant, workers, args, hosts, out, tmp)):
+            log = open(f"{out}.{i}.log", "w", encoding="utf-8")  # pylint: disable=consider-using-with
+            procs.append((subprocess.Popen(hosts.command(host, argv), stdout=log, stderr=subprocess.STDOUT,
+                                           env={**os.environ, **env, "KPBENCH_MARKS": marks.path}), waited, log))
+            if env.get("TF_CONFIG") and not waited:  # servers first: the chief connects to all of them
+                _wait_listening(json.loads(env["TF_CONFIG"]), hosts, time.monotonic() + 120)
+        problem = _wait(procs, time.monotonic() + args.timeout + 120)
+        if problem or not os.path.exists(out):
+            tails = "".join(_tail(log.name) for _, _, log in procs)
+            raise RuntimeError(f"{variant}@{workers} {problem or 'wrote no result'}:\n{tails}")
+    finally:
+        for proc, _, log in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+        hosts.stop_serving()
     with open(out, encoding="utf-8") as f:
         result = json.load(f)
+    result["sent_bytes"] = marks.measured()
+    if result["sent_bytes"] is None:
+        raise RuntimeError(f"{variant}@{workers} did not mark its timed steps")
     result["wall_seconds"] = time.monotonic() - started
     return result
+
+
+def _wait(procs, deadline):
+    """Waits for the waited processes; returns what went wrong (the first failure or a timeout), or None."""
+    for index, (proc, waited, _) in enumerate(procs):
+        if not waited:
+            continue
+        try:
+            code = proc.wait(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            return f"timed out waiting for process {index}"
+        if code != 0:
+            return f"failed: process {index} exited with {code}"
+    return None
+
+
+def _wait_listening(tf_config, hosts, deadline):
+    """Until the TF server of ``tf_config``'s task accepts connections (probed from the driver's namespace)."""
+    task = tf_config["task"]
+    host, port = tf_config["cluster"][task["type"]][task["index"]].rsplit(":", 1)
+    address = "127.0.0.1" if host == "localhost" else host
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((address, int(port)), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"the tf-pss {task['type']} {task['index']} server never listened at {host}:{port}")
+
+
+def _tail(path, size=1500):
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f"--- {os.path.basename(path)}\n" + f.read()[-size:]
 
 
 def summarize(runs, variant, workers):
     first = runs[0]
     medians = [statistics.median(r["step_seconds"]) for r in runs]
-    per_second = [first["items_per_step"] * workers / m for m in medians]
-    measured = [r["lo_bytes"] / r["timed_steps"] / workers for r in runs]
-    return {"variant": variant, "workers": workers, "unit": first["unit"] + "/s",
+    per_second = [first["shape"]["items_per_step"] * workers / m for m in medians]
+    measured = [r["sent_bytes"] / r["timed_steps"] / workers for r in runs]
+    return {"variant": variant, "workers": workers, "unit": first["shape"]["unit"] + "/s",
             "throughput": statistics.median(per_second), "throughput_min": min(per_second),
             "throughput_max": max(per_second), "ms_per_step": 1000 * statistics.median(medians),
-            "bytes_per_step": statistics.median(measured), "floor_bytes_per_step": floor_bytes(first, variant),
-            "repeats": len(runs)}
+            "bytes_per_step": statistics.median(measured), "floor_bytes_per_step": traffic.floor_bytes(first["shape"], variant, workers),
+            "repeats": len(runs), "shape": first["shape"]}
 
 
 def markdown(results, model):
@@ -163,18 +339,22 @@ def chart(results, path):
 
 def main(argv=None):
     args = parse(argv)
-    results, raw = {}, {}
-    with tempfile.TemporaryDirectory(prefix="kparallax-bench-") as tmp:
-        for workers in args.workers:
-            plan = [v for v in args.variants if v != "single" or workers == 1]
-            for repeat in range(args.repeats):
-                for variant in plan:
-                    print(f"[{repeat + 1}/{args.repeats}] {variant}@{workers} ...", flush=True)
-                    raw.setdefault(f"{variant}@{workers}", []).append(run_once(variant, workers, args, tmp))
-            for variant in plan:
-                results[f"{variant}@{workers}"] = summarize(raw[f"{variant}@{workers}"], variant, workers)
+    network = None
+    if args.emulate_network:
+        network = netem.Network(max(args.workers), rate=args.rate)
+        reason = network.up()
+        if reason:
+            print(f"benchmark.py: --emulate-network needs network namespaces: {reason}. Run as root on Linux, or "
+                  f"leave out --emulate-network. Received: --emulate-network={args.emulate_network}.", file=sys.stderr)
+            return 2
+    try:
+        results = run_all(args, EmulatedHosts(network) if network else LocalHosts())
+    finally:
+        if network:
+            network.down()
     report = {"model": args.model, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
-              "batch_size": args.batch_size, "machine": {"cpus": os.cpu_count()}, "variants": results}
+              "batch_size": args.batch_size, "ps": args.ps, "emulate_network": args.emulate_network,
+              "machine": {"cpus": os.cpu_count()}, "variants": results}
     with open(args.json, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2)
     table = markdown(results, args.model)
@@ -185,6 +365,20 @@ def main(argv=None):
     if args.png:
         chart(results, args.png)
     return 0
+
+
+def run_all(args, hosts):
+    results, raw = {}, {}
+    with tempfile.TemporaryDirectory(prefix="kparallax-bench-") as tmp:
+        for workers in args.workers:
+            variants = [v for v in args.variants if v != "single" or workers == 1]
+            for repeat in range(args.repeats):
+                for variant in variants:
+                    print(f"[{repeat + 1}/{args.repeats}] {variant}@{workers} ...", flush=True)
+                    raw.setdefault(f"{variant}@{workers}", []).append(run_once(variant, workers, args, hosts, tmp))
+            for variant in variants:
+                results[f"{variant}@{workers}"] = summarize(raw[f"{variant}@{workers}"], variant, workers)
+    return results
 
 
 if __name__ == "__main__":

@@ -20,15 +20,15 @@ NAMES = ("adam", "momentum")
 
 # id: (PS tasks, HybridStrategy options, extra kparallax-run flags, micro-batches per update)
 CONFIGS = {
-    "hybrid-no-local-aggregation": (1, {"local_aggregation": False}, [], 1),
+    "hybrid-local-aggregation": (1, {"local_aggregation": True}, [], 1),
     "allreduce-via-launcher-flag": (0, {}, ["--architecture", "allreduce"], 1),
     "allreduce-sparse-as-dense": (0, {"architecture": "allreduce", "sparse_as_dense": True}, [], 1),
     "ps": (1, {"architecture": "ps"}, [], 1),
-    "ps-no-local-aggregation": (1, {"architecture": "ps", "local_aggregation": False}, [], 1),
-    "partitions-2-over-2-ps": (2, {"partitions": 2}, [], 1),
+    "ps-local-aggregation": (1, {"architecture": "ps", "local_aggregation": True}, [], 1),
+    "partitions-2-over-2-ps-local-aggregation": (2, {"partitions": 2, "local_aggregation": True}, [], 1),
     "rule-ps:3-uneven-over-2-ps": (2, {"placement": {".*_embedding/embeddings": "ps:3"}}, [], 1),
     "partitions-auto": (2, {"partitions": "auto", "max_partitions": 8, "auto_steps": 2}, [], 1),
-    "accumulate-2": (1, {"backward_passes_per_step": 2}, [], 2),
+    "accumulate-2-local-aggregation": (1, {"backward_passes_per_step": 2, "local_aggregation": True}, [], 2),
     "ps-accumulate-2-partitions-2": (2, {"architecture": "ps", "backward_passes_per_step": 2, "partitions": 2}, [], 2),
 }
 
@@ -90,7 +90,7 @@ def test_matches_single_process(config, references, tmp_path):
         assert "architecture: ps -> ps" in log
     if config == "rule-ps:3-uneven-over-2-ps":
         assert f"placement: {first} [1000, 8] -> 3 shard(s) of rows [334, 333, 333] on ps[0, 1, 1]" in log
-    if config == "partitions-2-over-2-ps":
+    if config == "partitions-2-over-2-ps-local-aggregation":
         assert f"placement: {first} [1000, 8] -> 2 shard(s) of rows [500, 500] on ps[0, 1]" in log
         mine = sorted(k for k in info["push_counts"] if k.startswith(NAMES[-1]))
         assert mine == [f"{NAMES[-1]}_embedding/embeddings/part_{i}_of_2" for i in range(2)], info["push_counts"]
@@ -110,15 +110,18 @@ def test_auto_search_logs_samples_and_choice(tmp_path):
 
 @pytest.mark.multiprocess
 def test_local_aggregation_pushes_once_per_host(tmp_path):
-    """Two workers on one host: one push per step with local aggregation, two without; same weights."""
-    on_dir, off_dir = tmp_path / "on", tmp_path / "off"
-    on_dir.mkdir()
-    off_dir.mkdir()
+    """Two workers on one host: one push per step with local aggregation, two without; same weights. The default
+    ("auto") does not aggregate here: the PS is on the same host, so pushes cross no network."""
+    on_dir, off_dir, auto_dir = tmp_path / "on", tmp_path / "off", tmp_path / "auto"
+    for d in (on_dir, off_dir, auto_dir):
+        d.mkdir()
     on, _ = _train(on_dir, 1, {"local_aggregation": True}, names=("adam",))
     off, _ = _train(off_dir, 1, {"local_aggregation": False}, names=("adam",))
+    auto, _ = _train(auto_dir, 1, {}, names=("adam",))
     (got_on, info_on), (got_off, info_off) = _load(on, "adam"), _load(off, "adam")
     assert info_on["push_counts"] == {"adam_embedding/embeddings": common.STEPS}
     assert info_off["push_counts"] == {"adam_embedding/embeddings": common.STEPS * common.WORKERS}
+    assert _load(auto, "adam")[1]["push_counts"] == info_off["push_counts"]
     for key in got_on.files:
         np.testing.assert_allclose(got_on[key], got_off[key], rtol=RTOL, atol=ATOL, err_msg=key)
 

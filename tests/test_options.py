@@ -17,6 +17,7 @@ from kparallax.options import Options
     ({"architecture": "allreduce", "sync": False}, r"sync=False .* needs PS variables"),
     ({"partitions": "auto", "backward_passes_per_step": 2}, r"partitions='auto' needs sync=True and"),
     ({"auto_steps": 0}, r"Received: auto_steps=0"),
+    ({"local_aggregation": "yes"}, r"local_aggregation must be True, False or 'auto'. Received: local_aggregation='yes'"),
 ])
 def test_bad_options_get_one_clear_error(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):
@@ -47,3 +48,11 @@ def test_cost_model_fit_recovers_known_coefficients_and_argmin():
     chosen, _ = partition_search.choose(samples)
     assert chosen == 6  # sqrt(a/b) = 6.32; t(6) < t(7)
     assert partition_search.choose({2: 0.3, 4: 0.2})[0] == 4  # too few samples: fastest measured
+
+
+def test_job_on_one_host_decides_auto_local_aggregation():
+    from kparallax import runtime  # pylint: disable=import-outside-toplevel
+    from kparallax.cluster import Cluster  # pylint: disable=import-outside-toplevel
+    assert runtime.job_on_one_host(Cluster(ps=["localhost:2222"], workers=["127.0.0.1:2300", "localhost:2301"]))
+    assert not runtime.job_on_one_host(Cluster(ps=["10.0.0.2:2222"], workers=["10.0.0.1:2300", "10.0.0.1:2301"]))
+    assert not runtime.job_on_one_host(Cluster(ps=["10.0.0.1:2222"], workers=["10.0.0.1:2300", "10.0.0.2:2300"]))

@@ -138,7 +138,7 @@ class SparseAggregator:
         _compat.async_wait()
         return [v for v in stale if v is not None]
 
-    def _consume(self, tensors):
+    def consume(self, tensors):
         """A stateful op that reads one element of each tensor (a data edge Grappler cannot fold away)."""
         if self._sink is None:
             with tf.init_scope():
@@ -170,7 +170,7 @@ class SparseAggregator:
         if not self._is_chief:
             # Grappler prunes a Horovod op whose output only feeds control edges, and a worker that skips the
             # collective deadlocks the others: consume its output in a stateful op.
-            return pushes + [self._consume(all_ids + unused)]
+            return pushes + [self.consume(all_ids + unused)]
         done = []
         for (_, variable), ids in zip(sparse, all_ids):
             done.append(self._apply_rows(variable, tf.unique(ids).y))
