@@ -108,7 +108,7 @@ class _RoutingMixin:
             dense = allreduce.average_gradients(dense, router.num_workers, compression=router.options.compression,
                                                 sparse_as_dense=router.options.sparse_as_dense)
             applied = super().apply_gradients(dense, *args, **kwargs)
-            if ps_done and router.options.sync:
+            if ps and router.options.sync:
                 token = allreduce.barrier(router.num_workers, control_inputs=ps_done, name="kp_step_done")
                 router.aggregator.consume([token])   # a data edge: Grappler would prune a control-only collective
             return applied

@@ -10,8 +10,8 @@ Variants run one at a time, alternating (A B C ... A B C ...), each a fresh job:
 kparallax-allreduce (allgather of sparse gradients), kparallax-allreduce-dense, kparallax-ps (under kparallax-run),
 horovod and horovod-dense (plain Horovod Keras: hvd.DistributedOptimizer + BroadcastGlobalVariablesCallback, no
 kparallax code, started with Horovod's Gloo rendezvous), tf-pss (TensorFlow ParameterServerStrategy with Model.fit:
-a chief, TF servers for the workers and PS tasks; asynchronous, as that strategy is), single (one plain process;
-workers=1 only). Same model, same synthetic data, same per-worker batch. Variants that need them get ``--ps`` PS
+a chief, TF servers for the workers and PS tasks; asynchronous, as that strategy is), single (one plain process,
+reported as single@1). Same model, same synthetic data, same per-worker batch. Variants that need them get ``--ps`` PS
 tasks (default 1; with more, kparallax tables get as many partitions and tf-pss a MinSizePartitioner as many shards).
 
 Where: by default every task runs on this machine and talks over loopback. ``--emulate-network RATE`` (e.g. 1gbit,
@@ -370,8 +370,10 @@ def main(argv=None):
 def run_all(args, hosts):
     results, raw = {}, {}
     with tempfile.TemporaryDirectory(prefix="kparallax-bench-") as tmp:
-        for workers in args.workers:
-            variants = [v for v in args.variants if v != "single" or workers == 1]
+        groups = [(w, [v for v in args.variants if v != "single" or w == 1]) for w in args.workers]
+        if "single" in args.variants and 1 not in args.workers:   # the one-process reference, once
+            groups.insert(0, (1, ["single"]))
+        for workers, variants in groups:
             for repeat in range(args.repeats):
                 for variant in variants:
                     print(f"[{repeat + 1}/{args.repeats}] {variant}@{workers} ...", flush=True)

@@ -54,6 +54,7 @@ class Network:
         """Builds the network; returns None, or the reason it cannot be built (everything is removed again)."""
         if shutil.which("ip") is None or (self.rate and shutil.which("tc") is None):
             return "the 'ip' and 'tc' commands are needed (iproute2)"
+        self.down()  # leftovers of an earlier run killed before it could clean up
         first = _run("ip", "netns", "add", self.names[0])
         if first.returncode != 0:
             return f"network namespaces are not permitted here ({first.stderr.strip()})"

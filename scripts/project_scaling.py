@@ -185,8 +185,9 @@ def main(argv=None):
     for variant, value in result["throughput"].items():
         paper = published.get(variant)
         name = PUBLISHED_NAMES.get(variant, "")
+        kappa = result["kappa"].get(variant)
         print(f"| {variant} | {value:,.0f} | {result['comm_ms'][variant]:.1f} | "
-              f"{result['kappa'].get(variant, float('nan')):.2f} | "
+              f"{f'{kappa:.2f}' if kappa else '1 (not measured)'} | "
               f"{f'{name} {paper:,.0f}' if paper else '-'} |")
     hybrid = result["throughput"]["kparallax-hybrid"]
     for peer in ("horovod", "kparallax-ps"):

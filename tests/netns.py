@@ -1,51 +1,19 @@
-"""Two "hosts" on one machine: network namespaces joined by a veth pair (root needed; skipped otherwise)."""
+"""Two "hosts" on one machine for the multi-host tests: scripts/netem.py's emulated network with two namespaces on
+a bridge, no rate limit (root needed; the tests skip otherwise)."""
 
 import os
-import shutil
-import socket
-import subprocess
+import sys
 
-ADDRESSES = ("10.77.0.1", "10.77.0.2")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+import netem  # noqa: E402  pylint: disable=wrong-import-position
 
-
-def _ip(*args):
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
+NET = 77  # 10.78.77.0/24: the cluster files of the tests name these addresses
+ADDRESSES = tuple(netem.Network(2, net=NET).address(i) for i in range(2))
 
 
-class NetnsPair:
+class NetnsPair(netem.Network):
     """Namespaces ``names[i]`` holding ``ADDRESSES[i]``; this machine's host name resolves to that address inside
-    each (``/etc/netns/<name>/hosts``), as it would on a real host."""
+    each, as it would on a real host."""
 
-    def __init__(self, tag):
-        self.names = (f"kp{tag}a", f"kp{tag}b")
-
-    def up(self):
-        if shutil.which("ip") is None:
-            return "the 'ip' command is not installed"
-        a, b = self.names
-        result = _ip("netns", "add", a)
-        if result.returncode != 0:
-            return f"network namespaces are not permitted here ({result.stderr.strip()})"
-        steps = [("netns", "add", b), ("link", "add", f"{a}v", "type", "veth", "peer", "name", f"{b}v"),
-                 ("link", "set", f"{a}v", "netns", a), ("link", "set", f"{b}v", "netns", b)]
-        for name, address in zip(self.names, ADDRESSES):
-            steps += [("-n", name, "addr", "add", f"{address}/24", "dev", f"{name}v"),
-                      ("-n", name, "link", "set", f"{name}v", "up"), ("-n", name, "link", "set", "lo", "up")]
-        for step in steps:
-            result = _ip(*step)
-            if result.returncode != 0:
-                self.down()
-                return f"could not set up the namespaces: ip {' '.join(step)}: {result.stderr.strip()}"
-        for name, address in zip(self.names, ADDRESSES):
-            os.makedirs(f"/etc/netns/{name}", exist_ok=True)
-            with open(f"/etc/netns/{name}/hosts", "w", encoding="utf-8") as f:
-                f.write(f"127.0.0.1 localhost\n{address} {socket.gethostname()}\n")
-        return None
-
-    def down(self):
-        for name in self.names:
-            _ip("netns", "del", name)
-            shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
-
-    def command(self, index, argv):
-        return ["ip", "netns", "exec", self.names[index]] + list(argv)
+    def __init__(self):
+        super().__init__(2, net=NET)

@@ -36,7 +36,7 @@ LAUNCH = [sys.executable, "-m", "kparallax.launch"]
 
 @pytest.fixture(scope="module")
 def hosts():
-    pair = NetnsPair(os.getpid() % 10000)
+    pair = NetnsPair()
     reason = pair.up()
     if reason:
         pytest.skip(f"multi-host tests need network namespaces: {reason}")
