@@ -41,15 +41,13 @@ def parse():
 
 
 def build(model_name, batch_size, workers, rank):
-    import numpy as np
     import tensorflow as tf
-    from models import imagenet_data, lm1b, lm1b_data, resnet
+    from models import imagenet_data, lm1b, resnet
     if model_name.startswith("lm1b"):
         config = lm1b.preset(model_name, **({"batch_size": batch_size} if batch_size else {}))
-        x, y = lm1b_data.synthetic(config.batch_size * 64, config.num_steps, config.vocab_size, seed=rank)
+        x, y = traffic.lm1b_windows(config, seed=rank)
         data = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(config.batch_size, drop_remainder=True)
-
-        info = traffic.lm1b_shape(config, seed=rank)
+        info = traffic.lm1b_shape(config, x, y)
         return (lambda: lm1b.LM1B(config)), (lambda: lm1b.make_optimizer(config)), None, data, info
     config = resnet.preset(model_name, **({"batch_size": batch_size} if batch_size else {}))
     data = imagenet_data.synthetic(config.batch_size, config.image_size, config.num_classes, seed=rank)
@@ -113,7 +111,9 @@ def epoch_timer(rounds):
 
 
 def tf_pss(args):
-    """The tf-pss variant: serve as a worker or PS, or (the chief) run Model.fit. Returns (model, timer, info)."""
+    """The tf-pss variant: serve as a worker or PS (never returns), or, as the chief, run Model.fit.
+
+    Returns (model, timer, workers, info)."""
     import math
     import tensorflow as tf
     config = json.loads(os.environ["TF_CONFIG"])

@@ -122,8 +122,7 @@ def plan(variant, workers, args, hosts, out, tmp):
         return [(i, [sys.executable, "-m", "kparallax.launch", "--cluster", cluster, "--host-index", str(i),
                      "--log_dir", f"{logs}/host{i}"] + common + ["--"] + bench, {}, True) for i in range(workers)]
     if variant.startswith("horovod"):  # plain Horovod workers; Horovod's own Gloo rendezvous (served by the driver)
-        slots = rendezvous.slot_plan([(hosts.address(i if hosts.emulated else 0), 1 if hosts.emulated else workers)
-                                      for i in range(workers if hosts.emulated else 1)])
+        slots = rendezvous.slot_plan_for_hosts([hosts.address(hosts.host_of(rank)) for rank in range(workers)])
         port = portpicker.pick_unused_port()
         hosts.serve(rendezvous.Coordinator(hosts.gateway, port, slots))
         return [(hosts.host_of(rank), bench, rendezvous.horovod_env(slot, hosts.gateway, port,
@@ -204,7 +203,8 @@ class EmulatedHosts(LocalHosts):
 
 class Marks:
     """Worker 0 (or the tf-pss chief) writes ``start``/``stop`` lines to a FIFO around the timed steps; the driver
-    reads the hosts' byte counters the moment each line arrives."""
+    reads the hosts' byte counters the moment each line arrives. One FIFO and reader for all runs (runs never
+    overlap); ``reset`` before each."""
 
     def __init__(self, path, hosts):
         os.mkfifo(path)
@@ -223,6 +223,9 @@ class Marks:
             for line in lines:
                 self.seen[line.decode()] = self._hosts.sent_bytes()
 
+    def reset(self):
+        self.seen = {}
+
     def measured(self):
         """Bytes sent between the last start and stop marks, or None when the run did not mark both."""
         if "start" not in self.seen or "stop" not in self.seen:
@@ -230,9 +233,9 @@ class Marks:
         return self.seen["stop"] - self.seen["start"]
 
 
-def run_once(variant, workers, args, hosts, tmp):
+def run_once(variant, workers, args, hosts, marks, tmp):
     out = os.path.join(tmp, f"{variant}-{workers}-{time.monotonic_ns()}.json")
-    marks = Marks(out + ".marks", hosts)
+    marks.reset()
     started = time.monotonic()
     procs = []
     try:
@@ -370,6 +373,7 @@ def main(argv=None):
 def run_all(args, hosts):
     results, raw = {}, {}
     with tempfile.TemporaryDirectory(prefix="kparallax-bench-") as tmp:
+        marks = Marks(os.path.join(tmp, "marks"), hosts)
         groups = [(w, [v for v in args.variants if v != "single" or w == 1]) for w in args.workers]
         if "single" in args.variants and 1 not in args.workers:   # the one-process reference, once
             groups.insert(0, (1, ["single"]))
@@ -377,7 +381,8 @@ def run_all(args, hosts):
             for repeat in range(args.repeats):
                 for variant in variants:
                     print(f"[{repeat + 1}/{args.repeats}] {variant}@{workers} ...", flush=True)
-                    raw.setdefault(f"{variant}@{workers}", []).append(run_once(variant, workers, args, hosts, tmp))
+                    result = run_once(variant, workers, args, hosts, marks, tmp)
+                    raw.setdefault(f"{variant}@{workers}", []).append(result)
             for variant in variants:
                 results[f"{variant}@{workers}"] = summarize(raw[f"{variant}@{workers}"], variant, workers)
     return results

@@ -105,15 +105,6 @@ class Network:
                 total += int(f.read())
         return total
 
-    def __enter__(self):
-        reason = self.up()
-        if reason:
-            raise OSError(reason)
-        return self
-
-    def __exit__(self, *exc):
-        self.down()
-
 
 def loopback_sent_bytes():
     """Bytes sent over this namespace's loopback so far (every task of a local run talks over it)."""

@@ -114,7 +114,8 @@ def validate(bench, report, alpha):
 def target_shape(model):
     if model == "lm1b":
         from models import lm1b  # pylint: disable=import-outside-toplevel
-        return traffic.lm1b_shape(lm1b.preset("lm1b", batch_size=PAPER_BATCH["lm1b"]))
+        config = lm1b.preset("lm1b", batch_size=PAPER_BATCH["lm1b"])
+        return traffic.lm1b_shape(config, *traffic.lm1b_windows(config))
     from models import resnet  # pylint: disable=import-outside-toplevel
     built = resnet.build(resnet.preset("resnet50"))
     return {"unit": "images", "items_per_step": PAPER_BATCH["resnet50"],

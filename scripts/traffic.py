@@ -15,13 +15,20 @@ GATHER_VARIANTS = ("kparallax-allreduce", "horovod")
 DENSE_VARIANTS = ("kparallax-allreduce-dense", "horovod-dense")
 
 
-def lm1b_shape(config, seed=0, batches=64):
-    """The shape of an LM1B config on the benchmark's synthetic Zipf data (distinct ids averaged over batches)."""
+BATCHES = 64  # batches of synthetic LM1B data per worker (repeated)
+
+
+def lm1b_windows(config, seed=0):
+    """The benchmark's synthetic Zipf data for an LM1B config: (ids, next ids), ``BATCHES`` batches."""
     from models import lm1b_data  # pylint: disable=import-outside-toplevel
-    x, y = lm1b_data.synthetic(config.batch_size * batches, config.num_steps, config.vocab_size, seed=seed)
+    return lm1b_data.synthetic(config.batch_size * BATCHES, config.num_steps, config.vocab_size, seed=seed)
+
+
+def lm1b_shape(config, x, y):
+    """The shape of an LM1B config on windows ``x, y`` from ``lm1b_windows`` (distinct ids averaged over batches)."""
 
     def mean_unique(ids):
-        return float(np.mean([len(np.unique(batch)) for batch in np.split(ids, batches)]))
+        return float(np.mean([len(np.unique(batch)) for batch in np.split(ids, BATCHES)]))
     e, p, h, v = config.embedding_dim, config.projection_dim, config.lstm_units, config.vocab_size
     tokens = config.batch_size * config.num_steps
     return {"unit": "words", "items_per_step": tokens, "row_bytes": 4 * e, "softmax_row_bytes": 4 * (p + 1),
@@ -92,6 +99,10 @@ def rounds(variant, n):
     if variant == "single" or n == 1:
         return 0
     if variant in PS_VARIANTS:
-        return 2
-    return {"kparallax-hybrid": 2 + 2 * (n - 1)}.get(variant, 2 * (n - 1) + (n - 1 if variant in GATHER_VARIANTS
-                                                                            else 0))
+        return 2                              # pull, push
+    ring_allreduce = 2 * (n - 1)
+    if variant == "kparallax-hybrid":
+        return 2 + ring_allreduce
+    if variant in GATHER_VARIANTS:
+        return ring_allreduce + (n - 1)       # plus the ring allgather
+    return ring_allreduce

@@ -17,7 +17,7 @@ def test_lm1b_shape_counts_the_models_own_weights():
     model = lm1b.LM1B(config)
     tables = [model.word_embedding.embeddings, model.softmax_w.embeddings, model.softmax_b.embeddings]
     dense = [w for w in model.trainable_weights if not any(w is t for t in tables)]
-    shape = traffic.lm1b_shape(config)
+    shape = traffic.lm1b_shape(config, *traffic.lm1b_windows(config))
     assert shape["dense_bytes"] == 4 * sum(int(np.prod(w.shape)) for w in dense)
     assert shape["table_bytes"] == 4 * sum(int(np.prod(t.shape)) for t in tables)
     tokens = config.batch_size * config.num_steps
