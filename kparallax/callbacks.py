@@ -1,81 +1,11 @@
-"""Keras callbacks kparallax adds to every ``fit`` (and ones users may add themselves)."""
+"""Keras callbacks users add to ``fit``: throughput, step logs, learning-rate warm-up, TensorBoard scalars,
+checkpoints, stopping at a step. (The callbacks ``fit`` adds by itself are in ``core/fit_callbacks.py``.)"""
 
-import os
 import time
 
-import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from kparallax import _compat
-
-
-class SyncReplicatedVariables(tf.keras.callbacks.Callback):
-    """Makes every worker start from worker 0's replicated weights.
-
-    At the start of training it waits for this worker's pending PS writes, then broadcasts worker 0's values of
-    every replicated model variable (a collective, so it is also a barrier). Variables that first appear during
-    the first step (a model built inside ``fit``) are broadcast after that step.
-    """
-
-    def __init__(self, strategy):
-        super().__init__()
-        self._strategy = strategy
-        self._synced = set()
-
-    def _sync(self):
-        variables = [v for v in self.model.variables
-                     if not self._strategy.is_ps_variable(v) and v.ref() not in self._synced]
-        _compat.async_wait()
-        if self._strategy.num_workers > 1 and variables:
-            hvd.broadcast_variables(variables, root_rank=0)
-        elif self._strategy.num_workers > 1:
-            hvd.allreduce(tf.constant(0.0), op=hvd.Sum, name="kp_start_barrier")
-        self._synced.update(v.ref() for v in variables)
-        return variables
-
-    def on_train_begin(self, logs=None):
-        self._sync()
-
-    def on_train_batch_end(self, batch, logs=None):
-        if batch == 0 and len(self._synced) < len(self.model.variables):
-            late = self._sync()
-            if late:
-                tf.get_logger().warning(
-                    "%d replicated variable(s) were created during the first step and were synchronized after it. "
-                    "Build the model before fit (give it an input shape) for exact single-process equivalence.",
-                    len(late))
-
-
-class AverageMetrics(tf.keras.callbacks.Callback):
-    """Replaces each logged loss/metric with its average over workers (every batch and every epoch).
-
-    With ``sync=False`` (asynchronous PS) only epoch logs are averaged: a per-batch collective would put the
-    workers back in lock-step; the per-batch progress then shows worker 0's own values.
-    """
-
-    def __init__(self, strategy):
-        super().__init__()
-        self._strategy = strategy
-        self._per_batch = strategy.options.sync
-
-    def _average(self, logs, tag):
-        if self._strategy.num_workers == 1 or not logs:
-            return
-        keys = sorted(k for k, v in logs.items() if isinstance(v, (int, float, np.number, np.ndarray)))
-        if not keys:
-            return
-        values = hvd.allreduce(tf.constant([float(logs[k]) for k in keys], tf.float64), op=hvd.Average,
-                               name=f"kp_metrics_{tag}")
-        for key, value in zip(keys, values.numpy()):
-            logs[key] = float(value)
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self._per_batch:
-            self._average(logs, "batch")
-
-    def on_epoch_end(self, epoch, logs=None):
-        self._average(logs, "epoch")
 
 
 class Throughput(tf.keras.callbacks.Callback):
@@ -119,11 +49,11 @@ def _learning_rate(optimizer):
 
 
 def sent_bytes(model):
-    """(dense, sparse) bytes this worker has sent so far: allreduce payload and PS pushes (0, 0 before training)."""
-    router = getattr(model.optimizer, "_kp_router", None)
-    if router is None or router.sent_bytes is None:
-        return 0, 0
-    return int(router.sent_bytes["dense"].numpy()), int(router.sent_bytes["sparse"].numpy())
+    """(dense, sparse) bytes this worker has sent so far: allreduce payload and PS pushes (0, 0 before training,
+    or for a model not compiled under a strategy)."""
+    from kparallax.core import keras_hooks  # pylint: disable=import-outside-toplevel
+    compiled = keras_hooks.compiled(model)
+    return (0, 0) if compiled is None else compiled.step.sent_bytes()
 
 
 class StepLogger(tf.keras.callbacks.Callback):
@@ -280,27 +210,3 @@ class StopAtStep(tf.keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         if int(self.model.optimizer.iterations.numpy()) >= self._total:
             self.model.stop_training = True
-
-
-class ProgressFile(tf.keras.callbacks.Callback):
-    """Keeps ``LOG_DIR/progress-worker-<rank>`` holding the number of steps this worker has finished, so the
-    launcher can name the worker a stalled collective waits for (added by ``fit`` under kparallax-run)."""
-
-    def __init__(self, log_dir, rank):
-        super().__init__()
-        self._path = os.path.join(log_dir, f"progress-worker-{rank}")
-        self._steps = 0
-
-    def _write(self):
-        try:
-            with open(self._path, "w", encoding="utf-8") as f:
-                f.write(str(self._steps))
-        except OSError:
-            pass
-
-    def on_train_begin(self, logs=None):
-        self._write()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self._steps += 1
-        self._write()

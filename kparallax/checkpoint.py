@@ -18,21 +18,34 @@ import shutil
 
 import numpy as np
 import tensorflow as tf
-from absl import logging
+from kparallax import log as logging
 
-from kparallax import _compat
-from kparallax import allreduce
-from kparallax import partition
+from kparallax._compat import keras as keras_compat
+from kparallax._compat import tf as tf_compat
+from kparallax.core import keras_hooks
+from kparallax.step import collectives
 
 POINTER = "checkpoint.json"
 
 
-def _router(model):
-    router = getattr(model.optimizer, "_kp_router", None)
-    if router is None:
+def _clones(model):
+    state = keras_hooks.compiled(model)
+    if state is None:
         raise ValueError("Checkpoints need a model compiled inside HybridStrategy.scope(). Received: a model whose "
                          f"optimizer is {type(model.optimizer).__name__}.")
-    return router
+    return state.clones
+
+
+def _whole_weights(strategy, model):
+    """The model's weights as saved: one list of variables per whole weight (a partitioned table's shards)."""
+    groups = []
+    for variable in model.weights:
+        owner = strategy.registry.table_of(variable)
+        if owner is None:
+            groups.append([variable])
+        elif owner[1] == 0:
+            groups.append(list(owner[0].shards))
+    return groups
 
 
 def _dense_variables(strategy, model):
@@ -45,7 +58,7 @@ def _ps_groups(strategy, model):
     for variable in model.trainable_variables:
         if not strategy.is_ps_variable(variable):
             continue
-        owner = partition.table_of(variable)
+        owner = strategy.registry.table_of(variable)
         if owner is None:
             groups.append((strategy.ps_info(variable)[0], [variable]))
         elif id(owner[0]) not in seen:
@@ -56,22 +69,22 @@ def _ps_groups(strategy, model):
 
 def save(strategy, model, directory, extra=None, keep=3):
     """Writes ``DIR/ckpt-<step>`` atomically and points ``DIR/checkpoint.json`` at it. Call on worker 0 only."""
-    router = _router(model)
-    _compat.async_wait()
+    clones = _clones(model)
+    tf_compat.async_wait()
     step = int(model.optimizer.iterations.numpy())
-    arrays = {f"weight_{i}": w for i, w in enumerate(model.get_weights())}
-    _compat.build_optimizer(model.optimizer, _dense_variables(strategy, model))  # idempotent; as training builds it
-    dense_state = _compat.optimizer_variables(model.optimizer)
+    weights = model.get_weights()  # each table read once, whole
+    arrays = {f"weight_{i}": w for i, w in enumerate(weights)}
+    keras_compat.build_optimizer(model.optimizer, _dense_variables(strategy, model))  # idempotent; as training builds it
+    dense_state = keras_compat.optimizer_variables(model.optimizer)
     arrays.update({f"dense_optimizer_{j}": v.numpy() for j, v in enumerate(dense_state)})
     tables = []
     for path, shards in _ps_groups(strategy, model):
-        clones = [router.aggregator.existing_table_optimizer(s) for s in shards]
-        if any(c is None for c in clones):
+        merged = clones.state(shards)
+        if merged is None:
             continue  # never updated yet: nothing beyond the initial state
-        merged = partition.join_row_state(shards, [_compat.optimizer_variables(c) for c in clones])
         arrays.update({f"table_optimizer_{len(tables)}_{j}": v for j, v in enumerate(merged)})
         tables.append({"path": path, "variables": len(merged), "shards": len(shards)})
-    meta = {"step": step, "extra": extra or {}, "num_weights": len(model.get_weights()),
+    meta = {"step": step, "extra": extra or {}, "num_weights": len(weights),
             "dense_optimizer_variables": len(dense_state), "tables": tables}
     os.makedirs(directory, exist_ok=True)
     final = os.path.join(directory, f"ckpt-{step}")
@@ -122,49 +135,53 @@ def latest(directory):
 
 
 def restore(strategy, model, path):
-    """Restores the checkpoint at ``path`` into ``model`` (a collective). Returns its ``extra`` dict and step."""
-    router = _router(model)
-    _compat.async_wait()  # every earlier write of this worker (e.g. set_weights) lands before worker 0 restores
-    allreduce.barrier(strategy.num_workers, name="kp_restore_begin").numpy()
+    """Restores the checkpoint at ``path`` into ``model`` (a collective). Returns its ``extra`` dict and step.
+
+    Every worker sets its replicated weights and optimizer state; only worker 0 reads the PS tables' arrays and
+    writes them (and the PS-side optimizer state).
+    """
+    clones = _clones(model)
+    tf_compat.async_wait()  # every earlier write of this worker (e.g. set_weights) lands before worker 0 restores
+    collectives.eager_barrier(strategy.num_workers, name="kp_restore_begin")
     with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
         meta = json.load(f)
+    groups = _whole_weights(strategy, model)
+    if meta["num_weights"] != len(groups):
+        raise ValueError(f"Checkpoint {path} holds {meta['num_weights']} weights but the model has {len(groups)}: "
+                         f"it was written for another model. Received: {path}.")
     with np.load(os.path.join(path, "state.npz")) as data:
-        arrays = {k: data[k] for k in data.files}
-    weights = [arrays[f"weight_{i}"] for i in range(meta["num_weights"])]
-    variables = model.weights
-    if len(weights) != partition.whole_weight_count(variables):
-        raise ValueError(f"Checkpoint {path} holds {len(weights)} weights but the model has "
-                         f"{partition.whole_weight_count(variables)}: it was written for another model. "
-                         f"Received: {path}.")
-    values = partition.split_weights(variables, weights)
-    for variable, value in zip(variables, values):
-        if tuple(variable.shape) != tuple(np.shape(value)):
-            raise ValueError(f"Checkpoint {path}: {variable.name} has shape {np.shape(value)} there but "
-                             f"{tuple(variable.shape)} in the model (another vocabulary or model size?). "
-                             f"Received: {path}.")
-        if strategy.is_ps_variable(variable) and not strategy.is_chief:
-            continue  # worker 0 writes the shared PS copy
-        variable.assign(value)
-    if meta["dense_optimizer_variables"]:
-        _compat.build_optimizer(model.optimizer, _dense_variables(strategy, model))
-        state = _compat.optimizer_variables(model.optimizer)
-        if len(state) != meta["dense_optimizer_variables"]:
-            raise ValueError(f"Checkpoint {path} holds {meta['dense_optimizer_variables']} optimizer variables, the "
-                             f"optimizer has {len(state)}: another optimizer? Received: {path}.")
-        for j, variable in enumerate(state):
-            variable.assign(arrays[f"dense_optimizer_{j}"])
-    if strategy.is_chief:
-        groups = dict(_ps_groups(strategy, model))
-        for t, table in enumerate(meta["tables"]):
-            if table["path"] not in groups:
-                raise ValueError(f"Checkpoint {path} has optimizer state for PS table {table['path']!r}, which this "
-                                 f"model does not have. Received: {path}.")
-            shards = groups[table["path"]]
-            states = [_compat.optimizer_variables(router.aggregator.table_optimizer(s)) for s in shards]
-            partition.split_row_state(shards, states,
-                                      [arrays[f"table_optimizer_{t}_{j}"] for j in range(table["variables"])])
-    _compat.async_wait()
-    allreduce.barrier(strategy.num_workers, name="kp_restored").numpy()
+        for i, variables in enumerate(groups):
+            if not strategy.is_chief and all(strategy.is_ps_variable(v) for v in variables):
+                continue  # worker 0 writes the shared PS copy
+            value = data[f"weight_{i}"]
+            whole = (sum(int(v.shape[0]) for v in variables),) + tuple(variables[0].shape[1:]) \
+                if len(variables) > 1 else tuple(variables[0].shape)
+            if tuple(np.shape(value)) != whole:
+                raise ValueError(f"Checkpoint {path}: {variables[0].name} has shape {np.shape(value)} there but "
+                                 f"{whole} in the model (another vocabulary or model size?). Received: {path}.")
+            start = 0
+            for variable in variables:
+                rows = int(variable.shape[0]) if len(variables) > 1 else None
+                variable.assign(value[start:start + rows] if rows is not None else value)
+                start += rows or 0
+        if meta["dense_optimizer_variables"]:
+            keras_compat.build_optimizer(model.optimizer, _dense_variables(strategy, model))
+            state = keras_compat.optimizer_variables(model.optimizer)
+            if len(state) != meta["dense_optimizer_variables"]:
+                raise ValueError(f"Checkpoint {path} holds {meta['dense_optimizer_variables']} optimizer variables, "
+                                 f"the optimizer has {len(state)}: another optimizer? Received: {path}.")
+            for j, variable in enumerate(state):
+                variable.assign(data[f"dense_optimizer_{j}"])
+        if strategy.is_chief:
+            ps_groups = dict(_ps_groups(strategy, model))
+            for t, table in enumerate(meta["tables"]):
+                if table["path"] not in ps_groups:
+                    raise ValueError(f"Checkpoint {path} has optimizer state for PS table {table['path']!r}, which "
+                                     f"this model does not have. Received: {path}.")
+                clones.set_state(ps_groups[table["path"]],
+                                 [data[f"table_optimizer_{t}_{j}"] for j in range(table["variables"])])
+    tf_compat.async_wait()
+    collectives.eager_barrier(strategy.num_workers, name="kp_restored")
     logging.info("checkpoint: restored step %d from %s", meta["step"], path)
     tf.keras.backend.set_value(model.optimizer.iterations, meta["step"])
     return meta

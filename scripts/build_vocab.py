@@ -5,10 +5,8 @@
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from models import lm1b_data  # noqa: E402
+from kparallax_models import lm1b_data
 
 
 def main(argv=None):

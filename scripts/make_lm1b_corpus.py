@@ -17,11 +17,9 @@ import ast
 import os
 import random
 import re
-import sys
 import sysconfig
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from models import lm1b_data  # noqa: E402
+from kparallax_models import lm1b_data
 
 _TOKEN = re.compile(r"[A-Za-z]+(?:'[a-z]+)?|[0-9]+(?:\.[0-9]+)?|[^\sA-Za-z0-9]")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z(\"'])")

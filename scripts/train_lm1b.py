@@ -21,13 +21,11 @@ TensorBoard scalars to ``--model_dir/tensorboard`` and, at the end, the held-out
 import json
 import math
 import os
-import sys
 
 from absl import app
 from absl import flags
 from absl import logging
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "lm1b_small", "Preset in configs/ (lm1b, lm1b_small, lm1b_tiny) or a JSON path.")
@@ -84,8 +82,8 @@ def main(argv):
     import numpy as np
     import tensorflow as tf
     import kparallax as kp
-    from models import lm1b
-    from models import lm1b_data
+    from kparallax_models import lm1b
+    from kparallax_models import lm1b_data
 
     tf.keras.utils.set_random_seed(FLAGS.seed)
     cluster = kp.Cluster.from_env()
@@ -181,8 +179,8 @@ def main(argv):
 
 
 def run(argv):
-    from models import script_util  # pylint: disable=import-outside-toplevel
-    script_util.run_with_clear_errors(main, argv, __file__)
+    from kparallax_models import script_errors  # pylint: disable=import-outside-toplevel
+    script_errors.run_with_clear_errors(main, argv, __file__)
 
 
 if __name__ == "__main__":

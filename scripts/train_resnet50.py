@@ -17,12 +17,10 @@ Every flag is optional. Worker 0 writes ``--model_dir/config.json``, prints loss
 import json
 import math
 import os
-import sys
 
 from absl import app
 from absl import flags
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("config", "resnet50_small", "Preset in configs/ (resnet50, resnet50_small, resnet50_tiny) or a JSON path.")
@@ -43,8 +41,8 @@ def main(argv):
     del argv
     import tensorflow as tf
     import kparallax as kp
-    from models import imagenet_data
-    from models import resnet
+    from kparallax_models import imagenet_data
+    from kparallax_models import resnet
 
     tf.keras.utils.set_random_seed(FLAGS.seed)
     strategy = kp.HybridStrategy(kp.Cluster.from_env(), architecture=FLAGS.architecture)
@@ -93,8 +91,8 @@ def main(argv):
 
 
 def run(argv):
-    from models import script_util  # pylint: disable=import-outside-toplevel
-    script_util.run_with_clear_errors(main, argv, __file__)
+    from kparallax_models import script_errors  # pylint: disable=import-outside-toplevel
+    script_errors.run_with_clear_errors(main, argv, __file__)
 
 
 if __name__ == "__main__":

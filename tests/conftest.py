@@ -2,7 +2,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "multiprocess: runs a real cluster (PS + Horovod workers) via kparallax-run")
 
 
-import pytest  # noqa: E402
+import pytest
 
 
 def pytest_addoption(parser):

@@ -1,11 +1,8 @@
 """Two "hosts" on one machine for the multi-host tests: scripts/netem.py's emulated network with two namespaces on
 a bridge, no rate limit (root needed; the tests skip otherwise)."""
 
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
-import netem  # noqa: E402  pylint: disable=wrong-import-position
+from kparallax_bench import netem
 
 NET = 77  # 10.78.77.0/24: the cluster files of the tests name these addresses
 ADDRESSES = tuple(netem.Network(2, net=NET).address(i) for i in range(2))

@@ -12,8 +12,7 @@ import pytest
 from kparallax import testing
 
 PROGRAMS = os.path.join(os.path.dirname(__file__), "programs")
-sys.path.insert(0, PROGRAMS)
-import equivalence_common as common  # noqa: E402
+from programs import equivalence_common as common
 
 RTOL, ATOL = 1e-5, 1e-6
 NAMES = ("adam", "momentum")

@@ -3,7 +3,6 @@ run, also on a different PS / partition count; atomic writes; clear errors for m
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np

@@ -3,8 +3,8 @@ import sys
 
 import pytest
 
-from kparallax import cluster_file
-from kparallax import rendezvous
+from kparallax.launch import cluster_file
+from kparallax.cluster import coordinator as rendezvous
 
 
 def test_yaml_cluster_assigns_ranks_and_ports_host_by_host():

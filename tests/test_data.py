@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from kparallax import data
+from kparallax.core import data
 
 
 def test_strided_shards_make_contiguous_global_batches():

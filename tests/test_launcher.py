@@ -140,3 +140,18 @@ def test_a_stopped_worker_is_reported_within_the_stall_timeout(tmp_path):
     assert "workers' progress when the run stopped" in output
     assert "worker 1: " in output and "(stopped: SIGSTOP?)" in output.split("worker 1: ")[1].splitlines()[0], output
     assert _processes_of_run(str(tmp_path)) == []
+
+
+@pytest.mark.multiprocess
+def test_a_step_blocked_inside_a_worker_is_reported_within_the_stall_timeout(tmp_path):
+    """The worker process runs on (not stopped, not dead): only the progress files show that no step finishes."""
+    start = time.monotonic()
+    run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "blocked_step.py")], log_dir=str(tmp_path),
+                            workers=2, ps=1, timeout=200, launcher_args=["--stall_timeout", "12"])
+    assert time.monotonic() - start < 150, run.report()
+    assert run.returncode != 0, run.report()
+    assert "made no progress for --stall_timeout=12s" in run.output, run.report()
+    lines = {line.split(":")[0].strip(): line for line in run.output.splitlines() if "step(s) finished" in line}
+    assert "3 step(s) finished" in lines["worker 0"] and "3 step(s) finished" in lines["worker 1"], run.output
+    assert str(tmp_path / "worker-1.log") in lines["worker 1"], run.output
+    assert _processes_of_run(str(tmp_path)) == []

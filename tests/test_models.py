@@ -9,8 +9,7 @@ import pytest
 import tensorflow as tf
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
-sys.path.insert(0, ROOT)
-from models import imagenet_data, lm1b, lm1b_data, resnet  # noqa: E402
+from kparallax_models import imagenet_data, lm1b, lm1b_data, resnet
 
 
 def _lm1b_params(c):

@@ -14,12 +14,10 @@ import pytest
 
 from kparallax import testing
 
-sys.path.insert(0, os.path.dirname(__file__))
-from netns import ADDRESSES, NetnsPair  # noqa: E402
+from netns import ADDRESSES, NetnsPair
 
 PROGRAMS = os.path.join(os.path.dirname(__file__), "programs")
-sys.path.insert(0, PROGRAMS)
-import equivalence_common as common  # noqa: E402
+from programs import equivalence_common as common
 
 RTOL, ATOL = 1e-5, 1e-6
 NAMES = ("adam", "momentum")
@@ -160,7 +158,7 @@ def test_tf_config_job_without_launcher(reference, tmp_path):
         return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     train = [sys.executable, os.path.join(PROGRAMS, "train_kparallax.py"), str(out), ",".join(NAMES)]
-    ps_process = start("ps", 0, [sys.executable, "-m", "kparallax.ps"])
+    ps_process = start("ps", 0, [sys.executable, "-m", "kparallax.cluster.ps_server"])
     try:
         workers = [start("chief", 0, train), start("worker", 0, train)]
         outputs = _wait_all(workers, 300)

@@ -1,8 +1,8 @@
 import pytest
 
-from kparallax import options as options_lib
-from kparallax import partition_search
-from kparallax.options import Options
+from kparallax.core import options as options_lib
+from kparallax.core import partition_search
+from kparallax.core.options import Options
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -51,7 +51,7 @@ def test_cost_model_fit_recovers_known_coefficients_and_argmin():
 
 
 def test_job_on_one_host_decides_auto_local_aggregation():
-    from kparallax import runtime  # pylint: disable=import-outside-toplevel
+    from kparallax.cluster import runtime  # pylint: disable=import-outside-toplevel
     from kparallax.cluster import Cluster  # pylint: disable=import-outside-toplevel
     assert runtime.job_on_one_host(Cluster(ps=["localhost:2222"], workers=["127.0.0.1:2300", "localhost:2301"]))
     assert not runtime.job_on_one_host(Cluster(ps=["10.0.0.2:2222"], workers=["10.0.0.1:2300", "10.0.0.1:2301"]))

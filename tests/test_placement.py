@@ -1,6 +1,6 @@
 import pytest
 
-from kparallax.placement import PS, REPLICATED, Placement, shard_rows
+from kparallax.core.placement import PS, REPLICATED, Placement, shard_rows
 
 
 def test_defaults_embedding_to_ps_and_dense_replicated():

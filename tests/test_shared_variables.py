@@ -15,7 +15,7 @@ def ps_address():
     address = f"127.0.0.1:{portpicker.pick_unused_port()}"
     env = dict(os.environ, KPARALLAX_PS_HOSTS=address, KPARALLAX_WORKER_HOSTS="127.0.0.1:1",
                KPARALLAX_TASK_TYPE="ps", KPARALLAX_TASK_INDEX="0")
-    server = subprocess.Popen([sys.executable, "-m", "kparallax.ps"], env=env, stdout=subprocess.PIPE,
+    server = subprocess.Popen([sys.executable, "-m", "kparallax.cluster.ps_server"], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
     for line in server.stdout:
         if "ready at" in line:

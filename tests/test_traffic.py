@@ -1,15 +1,12 @@
 """The benchmark's traffic formulas (scripts/traffic.py) against independent counts."""
 
-import os
-import sys
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-import traffic  # noqa: E402
+from kparallax_bench import traffic
 
-from models import lm1b  # noqa: E402
+from kparallax_models import lm1b
 
 
 def test_lm1b_shape_counts_the_models_own_weights():

@@ -89,7 +89,7 @@ def test_lm1b_two_workers_converge_like_one_process(corpus, tmp_path):
 def test_resnet_script_on_imagenet_layout_records(tmp_path):
     data = tmp_path / "imagenet"
     data.mkdir()
-    from models import imagenet_data  # pylint: disable=import-outside-toplevel
+    from kparallax_models import imagenet_data  # pylint: disable=import-outside-toplevel
     rng = np.random.default_rng(0)
     for shard in range(2):
         with tf.io.TFRecordWriter(str(data / f"train-{shard:05d}-of-00002")) as writer:

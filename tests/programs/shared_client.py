@@ -7,7 +7,7 @@ import portpicker
 import tensorflow as tf
 
 from kparallax import Cluster
-from kparallax.ps.variables import SharedVariableStore
+from kparallax.core.shared_variables import SharedVariableStore
 
 ps, role, index = sys.argv[1], sys.argv[2], int(sys.argv[3])
 cluster = Cluster(ps=[ps], workers=[f"localhost:{portpicker.pick_unused_port()}" for _ in range(3)],

@@ -8,9 +8,8 @@ import time
 import numpy as np
 import tensorflow as tf
 
-sys.path.insert(0, os.path.dirname(__file__))
-import equivalence_common as common  # noqa: E402
-import kparallax as kp  # noqa: E402
+import equivalence_common as common
+import kparallax as kp
 
 EPOCHS = 4
 

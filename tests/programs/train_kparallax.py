@@ -8,11 +8,9 @@ import os
 import sys
 
 import numpy as np
-import tensorflow as tf
 
-sys.path.insert(0, os.path.dirname(__file__))
-import equivalence_common as common  # noqa: E402
-import kparallax as kp  # noqa: E402
+import equivalence_common as common
+import kparallax as kp
 
 
 def main(out_dir, names, options):

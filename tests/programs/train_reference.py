@@ -8,8 +8,7 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(__file__))
-import equivalence_common as common  # noqa: E402
+import equivalence_common as common
 
 
 def main(out_dir, names, k):

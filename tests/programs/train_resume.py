@@ -14,10 +14,9 @@ import sys
 import numpy as np
 import tensorflow as tf
 
-sys.path.insert(0, os.path.dirname(__file__))
-import equivalence_common as common  # noqa: E402
-import kparallax as kp  # noqa: E402
-from kparallax import checkpoint  # noqa: E402
+import equivalence_common as common
+import kparallax as kp
+from kparallax import checkpoint
 
 
 class KillAt(tf.keras.callbacks.Callback):

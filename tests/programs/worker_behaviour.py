@@ -10,7 +10,7 @@ if mode == "fail_rank1" and os.environ.get("KPARALLAX_TASK_INDEX") == "1":
 if mode == "same_index":
     os.environ["KPARALLAX_TASK_INDEX"] = "0"  # both workers claim index 0
 
-import kparallax as kp  # noqa: E402
+import kparallax as kp
 
 try:
     strategy = kp.HybridStrategy(kp.Cluster.from_env())

@@ -1,0 +1,151 @@
+"""Keras 2 internals (Keras 2.15 as ``tf.keras``; the same code paths exist in tf-keras 2.16-2.18).
+
+- Keras 3 is refused at import: Horovod 0.28.1's Keras wrappers silently stop allreducing there.
+- Two optimizer families (``tf.keras.optimizers.*`` since 2.11, and ``tf.keras.optimizers.legacy.*``) build and
+  list their variables differently.
+- The layer that creates a variable is found on the call stack (``build`` / ``add_weight`` frames): Keras passes no
+  layer to variable creators.
+"""
+
+import sys
+
+import tensorflow as tf
+
+if hasattr(tf.keras, "__version__") and tf.keras.__version__.startswith("3."):
+    raise ImportError(
+        "kparallax needs Keras 2 (tf.keras from TensorFlow 2.15, or tf-keras with TF_USE_LEGACY_KERAS=1). "
+        f"Received: tf.keras {tf.keras.__version__}. Horovod's Keras wrappers do not allreduce under Keras 3.")
+
+Model = tf.keras.Model
+Layer = tf.keras.layers.Layer
+Embedding = tf.keras.layers.Embedding
+NewOptimizer = tf.keras.optimizers.Optimizer
+LegacyOptimizer = tf.keras.optimizers.legacy.Optimizer
+
+
+def optimizer_family(optimizer):
+    """``"new"`` for Keras 2.11+ optimizers, ``"legacy"`` for ``tf.keras.optimizers.legacy``."""
+    if isinstance(optimizer, LegacyOptimizer):
+        return "legacy"
+    if isinstance(optimizer, NewOptimizer):
+        return "new"
+    raise TypeError(
+        "kparallax supports tf.keras optimizers (tf.keras.optimizers.* or tf.keras.optimizers.legacy.*). "
+        f"Received: {type(optimizer).__name__} from module {type(optimizer).__module__}.")
+
+
+def clone_optimizer(optimizer):
+    """A fresh optimizer of the same class and hyper-parameters, never XLA-compiled (it updates on a PS device)."""
+    clone = type(optimizer).from_config(optimizer.get_config())
+    if optimizer_family(clone) == "new":
+        clone.jit_compile = False
+    return clone
+
+
+def global_clipnorm(optimizer):
+    return getattr(optimizer, "global_clipnorm", None)
+
+
+def build_optimizer(optimizer, var_list):
+    """Creates an optimizer's slot variables for ``var_list`` now (private ``_create_all_weights`` for legacy)."""
+    if optimizer_family(optimizer) == "new":
+        optimizer.build(var_list)
+    else:
+        optimizer._create_all_weights(var_list)  # pylint: disable=protected-access
+
+
+def optimizer_variables(optimizer):
+    """The optimizer's own variables (iterations, slots, ...) in creation order, for either family."""
+    if optimizer_family(optimizer) == "new":
+        return list(optimizer.variables)
+    return list(optimizer.weights)
+
+
+def share_learning_rate(clone, source):
+    """Makes ``clone`` read ``source``'s learning-rate variable (private ``_learning_rate``), so callbacks that
+    assign a new rate to the optimizer Keras trains with reach the PS-side clones. Keras 2.11+ optimizers with a
+    constant (variable) rate only; schedules are cloned and follow the step. Returns whether it was shared."""
+    if optimizer_family(clone) != "new" or optimizer_family(source) != "new":
+        return False
+    rate = getattr(source, "_learning_rate", None)
+    if isinstance(rate, tf.Variable):
+        clone._learning_rate = rate  # pylint: disable=protected-access
+        return True
+    return False
+
+
+def layer_being_built(max_depth=40):
+    """The Keras layer whose ``build`` / ``add_weight`` is on the call stack (innermost), or None."""
+    frame = sys._getframe(1)  # pylint: disable=protected-access
+    depth = 0
+    while frame is not None and depth < max_depth:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Layer) and frame.f_code.co_name in ("build", "add_weight"):
+            return owner
+        frame = frame.f_back
+        depth += 1
+    return None
+
+
+def train_validation_split(arrays, validation_split):
+    """Keras' own split of (x, y, sample_weight) into training and the last ``validation_split`` fraction."""
+    from keras.src.engine import data_adapter  # pylint: disable=import-outside-toplevel
+    return data_adapter.train_validation_split(arrays, validation_split=validation_split)
+
+
+def progbar_logger():
+    return tf.keras.callbacks.ProgbarLogger(count_mode="steps")
+
+
+def reset_train_function(model):
+    """Makes ``Model.fit`` retrace its train step (after a layer's variables were replaced)."""
+    model.train_function = None
+    model.train_function = model.make_train_function(force=True)
+
+
+def steps_per_execution(model):
+    """The model's current ``steps_per_execution`` (private ``_steps_per_execution`` variable; Keras' data
+    handler lowers it for the last execution of an epoch)."""
+    variable = getattr(model, "_steps_per_execution", None)
+    return 1 if variable is None else int(variable.numpy())
+
+
+def single_step_train_function(model, make_train_function):
+    """Keras' train function of ``model`` traced for ONE step per call, whatever ``steps_per_execution`` is.
+
+    Keras 2.15 chooses at trace time between one step per call and a ``tf.range`` loop of ``steps_per_execution``
+    steps inside one ``tf.function`` (private ``_steps_per_execution`` variable). Inside that loop, the next
+    iteration may start before the previous iteration's remote PS update and barrier have finished (their ops
+    are not loop-carried values): training silently diverged from the single process (1.2e-2 after 3 epochs).
+    """
+    variable = getattr(model, "_steps_per_execution", None)
+    if variable is None:
+        return make_train_function(model, force=True)
+    saved = variable.numpy()
+    variable.assign(1)
+    try:
+        return make_train_function(model, force=True)
+    finally:
+        variable.assign(saved)
+
+
+def minimum_control_deps(outputs):
+    """Keras' own choice of what ``_train_counter`` waits for after a step (private ``_minimum_control_deps``)."""
+    from keras.src.engine import training as keras_training  # pylint: disable=import-outside-toplevel
+    return keras_training._minimum_control_deps(outputs)  # pylint: disable=protected-access
+
+
+def replace_weights(model, old_shards, old_sharded, new_shards, new_sharded):
+    """Points every layer of ``model`` holding ``old_shards`` at the new shards (after a re-partitioning;
+    Keras' private weight lists are edited by object identity)."""
+    for layer in model._flatten_layers():  # pylint: disable=protected-access
+        for attr in ("_trainable_weights", "_non_trainable_weights"):
+            weights = getattr(layer, attr, None)
+            if not weights:
+                continue
+            positions = [i for i, w in enumerate(weights) if any(w is s for s in old_shards)]
+            if positions:
+                weights[positions[0]:positions[-1] + 1] = new_shards
+        for name, value in list(vars(layer).items()):
+            if value is old_sharded:
+                setattr(layer, name, new_sharded)

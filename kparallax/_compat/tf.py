@@ -1,0 +1,111 @@
+"""TensorFlow internals: shared PS variables, their read hook, the eager context and function graphs.
+
+Versions: TensorFlow 2.15 (seen 2.15.1). Each function names the private API it touches.
+"""
+
+import tensorflow as tf
+from tensorflow.python.distribute import sharded_variable as _sharded
+from tensorflow.python.eager import context as _context
+from tensorflow.python.eager import record as _record
+from tensorflow.python.framework import func_graph as _func_graph
+from tensorflow.python.framework import ops as _ops
+from tensorflow.python.ops import gen_resource_variable_ops as _gen_rv
+from tensorflow.python.ops import handle_data_util as _handle_data_util
+from tensorflow.python.ops import resource_variable_ops as _rv
+
+InvalidArgumentError = tf.errors.InvalidArgumentError
+ShardedVariable = _sharded.ShardedVariable  # TF's container of row shards; Keras lists the shards as weights
+
+
+def async_wait():
+    """Blocks until every op this process dispatched (remote PS ops included) has run.
+
+    Remote eager ops are asynchronous in TF 2.15: without this, a worker's write on a PS may not have landed when a
+    later collective (which orders workers, not PS ops) returns.
+    """
+    _context.async_wait()
+
+
+def full_variable_name(name):
+    """The variable name TensorFlow would give ``name`` in the current name scope (no ``:0``)."""
+    with _ops.name_scope(name or "Variable", skip_on_eager=False) as scope:
+        return _ops.name_from_scope_name(scope)
+
+
+class SharedResourceVariable(_rv.BaseResourceVariable):
+    """A resource variable on a PS device whose dense reads can be redirected (``read_policy``).
+
+    ``read_policy(variable, read)``: called instead of ``_read_variable_op`` (the private method every dense read,
+    ``value()``, ``read_value()`` and tensor conversion of a resource variable goes through in TF 2.15); ``read()``
+    performs the normal read. None: normal reads.
+    """
+
+    read_policy = None
+
+    def _read_variable_op(self, no_copy=False):
+        policy = self.read_policy
+        if policy is None:
+            return super()._read_variable_op(no_copy)
+        return policy(self, lambda: super(SharedResourceVariable, self)._read_variable_op(no_copy))
+
+
+def shared_variable(shared_name, container, shape, dtype, device, trainable, constraint=None, name=None):
+    """Returns a ``SharedResourceVariable`` whose handle names a shared resource on ``device``.
+
+    Every process that calls this with the same ``shared_name`` and ``container`` on the same PS device gets a
+    handle to the same variable (``VarHandleOp`` with a fixed shared name; a ``tf.Variable`` made under a PS device
+    is private to its process). The object has no deleter: dropping it never frees the shared resource. Eager
+    handles carry no shape unless set by hand (private ``_set_handle_shapes_and_types``); Keras needs it.
+    """
+    shape = tf.TensorShape(shape)
+    dtype = tf.as_dtype(dtype)
+    with tf.device(device):
+        handle = _gen_rv.var_handle_op(shape=shape, dtype=dtype, shared_name=shared_name,
+                                       container=container, debug_name=shared_name)
+    _rv._set_handle_shapes_and_types(  # pylint: disable=protected-access
+        handle, _handle_data_util.create_handle_data(shape, dtype), graph_mode=False)
+    return SharedResourceVariable(
+        trainable=trainable, shape=shape, dtype=dtype, handle=handle, constraint=constraint,
+        unique_id=f"{shared_name}_{_ops.uid()}", handle_name=name or shared_name, in_graph_mode=False)
+
+
+def is_initialized(variable):
+    return bool(_gen_rv.var_is_initialized_op(variable.handle).numpy())
+
+
+def destroy_variable(variable):
+    """Frees a (shared) variable's resource on its device; later reads of it fail."""
+    with tf.device(variable.device):
+        _gen_rv.destroy_resource_op(variable.handle, ignore_lookup_error=True)
+
+
+def outermost_function_graph():
+    """The tf.function graph being traced that encloses the current one (a while/cond body is nested in it), or
+    None when executing eagerly."""
+    graph = _ops.get_default_graph()
+    if not isinstance(graph, _func_graph.FuncGraph):
+        return None
+    while isinstance(getattr(graph, "outer_graph", None), _func_graph.FuncGraph):
+        graph = graph.outer_graph
+    return graph
+
+
+def tape_may_record():
+    """Whether a gradient tape is active (private ``record.could_possibly_record``)."""
+    return _record.could_possibly_record()
+
+
+def mark_accessed(variable):
+    """Tells active tapes that ``variable`` was read (what every read of a resource variable does)."""
+    _rv.variable_accessed(variable)
+
+
+def enter_graph(graph):
+    """Context to build ops in ``graph`` with no control dependencies of the current one."""
+    import contextlib  # pylint: disable=import-outside-toplevel
+
+    @contextlib.contextmanager
+    def scope():
+        with graph.as_default(), _ops.control_dependencies(None):
+            yield
+    return scope()

@@ -1,0 +1,104 @@
+"""How each worker reads its own shard of the training data.
+
+Arrays (``x``, ``y``, ``sample_weight``: NumPy arrays, tensors, or lists/dicts of them) are split by striding:
+worker ``i`` of ``N`` keeps rows ``i, i+N, i+2N, ...`` after the row count is cut to a multiple of ``N``. With
+``shuffle=False`` and per-worker ``batch_size=B``, step ``k`` then trains on exactly the rows ``[k*N*B, (k+1)*N*B)``
+of the original arrays: the global batch a single process would see with ``batch_size=N*B``.
+
+A ``tf.data.Dataset`` (already batched, as Keras expects) is split by whole batches: worker ``i`` keeps batches
+``i, i+N, ...`` (``Dataset.shard``), after the batch count is cut to a multiple of ``N`` so that every worker runs
+the same number of steps. A dataset of unknown length needs ``steps_per_epoch``.
+
+A dataset that each worker already reads its own part of (say, its own files) is marked with ``per_worker``;
+``fit`` then uses it as is, after checking that every worker runs the same number of steps per epoch.
+"""
+
+import tensorflow as tf
+
+
+def _rows(a):
+    return int(a.shape[0])
+
+
+def shard_arrays(structure, num_workers, index):
+    """Strided shard of every array in ``structure`` (None entries stay None)."""
+    flat = [a for a in tf.nest.flatten(structure) if a is not None]
+    if not flat:
+        return structure
+    counts = {_rows(a) for a in flat}
+    if len(counts) != 1:
+        raise ValueError(f"All training arrays need the same number of rows to be sharded. Received row counts "
+                         f"{sorted(counts)}.")
+    n = counts.pop()
+    usable = n - n % num_workers
+    if usable == 0:
+        raise ValueError(f"The training data has {n} row(s), fewer than the {num_workers} workers; each worker "
+                         f"needs at least one. Received: {n} rows.")
+    return tf.nest.map_structure(lambda a: None if a is None else a[index:usable:num_workers], structure)
+
+
+def shard_dataset(dataset, num_workers, index, steps_per_epoch=None):
+    """Shards a batched dataset by whole batches so every worker runs the same number of steps."""
+    cardinality = int(dataset.cardinality())
+    if cardinality == tf.data.UNKNOWN_CARDINALITY and steps_per_epoch is None:
+        raise ValueError(
+            "The dataset's length is unknown, so kparallax cannot give every worker the same number of steps. "
+            "Pass steps_per_epoch=..., or declare the length with "
+            "dataset.apply(tf.data.experimental.assert_cardinality(n)). Received: cardinality=UNKNOWN.")
+    if cardinality >= 0:
+        usable = cardinality - cardinality % num_workers
+        if usable == 0:
+            raise ValueError(f"The dataset has {cardinality} batch(es), fewer than the {num_workers} workers. "
+                             f"Use a smaller batch size or more data. Received: {cardinality} batches.")
+        dataset = dataset.take(usable)
+    return dataset.shard(num_workers, index)
+
+
+def is_dataset(x):
+    return isinstance(x, tf.data.Dataset)
+
+
+def check_supported(x):
+    if x is None or is_dataset(x) or hasattr(x, "shape") or isinstance(x, (list, tuple, dict)):
+        return
+    raise TypeError(
+        "kparallax shards NumPy arrays, tensors and tf.data.Dataset inputs. Generators and keras.utils.Sequence "
+        f"are not supported yet: wrap them in tf.data.Dataset.from_generator. Received: {type(x).__name__}.")
+
+
+_PER_WORKER = "_kparallax_per_worker"
+
+
+def per_worker(dataset):
+    """Marks a batched ``tf.data.Dataset`` as this worker's own share of the data: ``fit`` will not shard it.
+
+    Every worker must run the same number of steps per epoch (give ``steps_per_epoch`` or a dataset of known
+    length); ``fit`` checks this across workers before training and names the counts if they differ.
+    """
+    if not is_dataset(dataset):
+        raise TypeError(f"per_worker takes a tf.data.Dataset. Received: {type(dataset).__name__}.")
+    setattr(dataset, _PER_WORKER, True)
+    return dataset
+
+
+def is_per_worker(x):
+    return is_dataset(x) and getattr(x, _PER_WORKER, False)
+
+
+def local_steps(dataset, steps_per_epoch):
+    if steps_per_epoch is not None:
+        return int(steps_per_epoch)
+    cardinality = int(dataset.cardinality())
+    if cardinality < 0:
+        raise ValueError("A per_worker dataset of unknown or infinite length needs steps_per_epoch (the same on "
+                         f"every worker). Received: cardinality={cardinality}, steps_per_epoch=None.")
+    return cardinality
+
+
+def min_over_workers(value):
+    """The smallest ``value`` over all workers (e.g. steps per epoch of per-worker data). A collective."""
+    import horovod.tensorflow as hvd  # pylint: disable=import-outside-toplevel
+    from kparallax.step import collectives  # pylint: disable=import-outside-toplevel
+    if hvd.size() == 1:
+        return value
+    return min(row[0] for row in collectives.allgather_ints([int(value)], name="kp_min_over_workers"))

@@ -1,0 +1,134 @@
+"""The callbacks ``fit`` adds under a HybridStrategy, in this order: replicated weights synchronized from worker 0,
+(the partition search), metrics averaged over workers, and the per-worker progress file the launcher watches."""
+
+import os
+import threading
+
+import horovod.tensorflow as hvd
+import numpy as np
+import tensorflow as tf
+
+from kparallax._compat import tf as tf_compat
+from kparallax.step import collectives
+
+
+class SyncReplicatedVariables(tf.keras.callbacks.Callback):
+    """Makes every worker start from worker 0's replicated weights.
+
+    At the start of training it waits for this worker's pending PS writes, then broadcasts worker 0's values of
+    every replicated model variable (a collective, so it is also a barrier). Variables that first appear during
+    the first step (a model built inside ``fit``) are broadcast after that step.
+    """
+
+    def __init__(self, strategy):
+        super().__init__()
+        self._strategy = strategy
+        self._synced = set()
+
+    def _sync(self):
+        # Keras lists non-variables too (the vocabulary handlers of lookup layers, which each worker adapts itself).
+        variables = [v for v in self.model.variables if isinstance(v, tf.Variable)
+                     and not self._strategy.is_ps_variable(v) and v.ref() not in self._synced]
+        tf_compat.async_wait()
+        if self._strategy.num_workers > 1 and variables:
+            hvd.broadcast_variables(variables, root_rank=0)
+        elif self._strategy.num_workers > 1:
+            collectives.eager_barrier(self._strategy.num_workers, name="kp_start_barrier")
+        self._synced.update(v.ref() for v in variables)
+        return variables
+
+    def on_train_begin(self, logs=None):
+        self._sync()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 0 and len(self._synced) < len([v for v in self.model.variables if isinstance(v, tf.Variable)]):
+            late = self._sync()
+            if late:
+                tf.get_logger().warning(
+                    "%d replicated variable(s) were created during the first step and were synchronized after it. "
+                    "Build the model before fit (give it an input shape) for exact single-process equivalence.",
+                    len(late))
+
+
+class AverageMetrics(tf.keras.callbacks.Callback):
+    """Replaces each logged loss/metric with its average over workers (every batch and every epoch).
+
+    With ``sync=False`` (asynchronous PS) only epoch logs are averaged: a per-batch collective would put the
+    workers back in lock-step; the per-batch progress then shows worker 0's own values.
+    """
+
+    def __init__(self, strategy):
+        super().__init__()
+        self._strategy = strategy
+        self._per_batch = strategy.options.sync
+
+    def _average(self, logs, tag):
+        if self._strategy.num_workers == 1 or not logs:
+            return
+        keys = sorted(k for k, v in logs.items() if isinstance(v, (int, float, np.number, np.ndarray)))
+        if not keys:
+            return
+        values = hvd.allreduce(tf.constant([float(logs[k]) for k in keys], tf.float64), op=hvd.Average,
+                               name=f"kp_metrics_{tag}")
+        for key, value in zip(keys, values.numpy()):
+            logs[key] = float(value)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._per_batch:
+            self._average(logs, "batch")
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._average(logs, "epoch")
+
+
+class ProgressFile(tf.keras.callbacks.Callback):
+    """Keeps ``LOG_DIR/progress-worker-<rank>`` holding ``<steps finished> <training|idle> <batches>`` so the
+    launcher can tell a stalled run (no worker's file changes for ``--stall_timeout`` while training) and name the
+    worker a collective waits for. Added by ``fit`` under kparallax-run. The callback only counts; a daemon thread
+    writes the file when the counts changed, at most once per ``every_seconds`` (no file I/O on the step path)."""
+
+    def __init__(self, log_dir, rank, every_seconds=0.5):
+        super().__init__()
+        self._path = os.path.join(log_dir, f"progress-worker-{rank}")
+        self._every = every_seconds
+        self._steps, self._batches, self._state = 0, 0, "training"
+        self._written = None
+        self._wake = threading.Event()
+        self._thread = None
+
+    def _write(self):
+        text = f"{self._steps} {self._state} {self._batches}"
+        if text == self._written:
+            return
+        tmp = f"{self._path}.tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.replace(tmp, self._path)
+            self._written = text
+        except OSError:
+            pass
+
+    def _loop(self):
+        while self._state == "training":
+            self._wake.wait(self._every)
+            self._write()
+
+    def on_train_begin(self, logs=None):
+        self._state = "training"
+        self._write()
+        self._thread = threading.Thread(target=self._loop, name="kp_progress_file", daemon=True)
+        self._thread.start()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._steps += 1
+        self._batches += 1
+
+    def on_test_batch_end(self, batch, logs=None):
+        self._batches += 1
+
+    def on_train_end(self, logs=None):
+        self._state = "idle"
+        self._wake.set()
+        self._thread.join()
+        self._write()

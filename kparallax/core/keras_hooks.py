@@ -1,0 +1,282 @@
+"""Keras under a HybridStrategy: hooks bound per model instance when it is compiled inside ``scope()``.
+
+Process-wide, only ``tf.keras.Model.compile`` is wrapped (``install()``, once): outside any scope it calls Keras
+unchanged. Compiled inside a scope, the model gets its own ``fit``, ``evaluate``, ``predict``, ``get_weights`` and
+``set_weights`` (instance attributes bound to this model; every other model keeps Keras' methods), and a layer
+that holds a PS variable gets its own ``get_weights``/``set_weights`` when the variable is created.
+
+Under a strategy:
+  * ``compile`` wraps the optimizer (``kparallax.step``); ``jit_compile=True`` is refused.
+  * ``fit`` shards the training data per worker (``data``), runs inside the strategy's scope, adds the callbacks of
+    ``fit_callbacks`` in front of the user's, and shows the progress bar on worker 0 only. ``validation_split``
+    takes the last fraction of the full arrays.
+  * ``get_weights``/``set_weights`` present a partitioned table whole; only worker 0 writes PS variables.
+  * ``evaluate`` / ``predict`` (and ``fit``'s validation) run on the full input on every worker, so their
+    results are exact and identical everywhere; only worker 0 prints.
+"""
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import os
+import re
+import threading
+import types
+import weakref
+
+import tensorflow as tf
+
+from kparallax._compat import keras as keras_compat
+from kparallax._compat import tf as tf_compat
+from kparallax.core import data as data_lib
+from kparallax.core import fit_callbacks
+from kparallax.core import partition_search
+from kparallax.core import tables
+from kparallax.step import collectives
+
+_LOCAL = threading.local()
+_STRATEGIES = weakref.WeakSet()
+_ORIGINAL_COMPILE = []
+_STATE = "_kparallax_compiled"
+_BOUND = ("fit", "evaluate", "predict", "get_weights", "set_weights", "make_train_function")
+
+
+@dataclasses.dataclass
+class Compiled:
+    """What a model compiled under a strategy trains with: the strategy, its ``Step`` and its PS ``Clones``."""
+    strategy: object
+    step: object
+    clones: object
+
+
+def compiled(model):
+    """The ``Compiled`` record of ``model``, or None if it was not compiled inside a strategy's scope."""
+    return model.__dict__.get(_STATE)
+
+
+def current_strategy():
+    """The strategy whose ``scope()`` is active in this thread, or None."""
+    stack = getattr(_LOCAL, "stack", None)
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def active(strategy):
+    stack = getattr(_LOCAL, "stack", None)
+    if stack is None:
+        stack = _LOCAL.stack = []
+    stack.append(strategy)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def install():
+    """Wraps ``tf.keras.Model.compile`` once (idempotent)."""
+    if _ORIGINAL_COMPILE:
+        return
+    original = keras_compat.Model.compile
+    _ORIGINAL_COMPILE.append(original)
+
+    @functools.wraps(original)
+    def compile(self, *args, **kwargs):  # pylint: disable=redefined-builtin
+        return _compile(self, *args, **kwargs)
+
+    keras_compat.Model.compile = compile
+
+
+def _bind_method(obj, name, function, *extra):
+    obj.__dict__[name] = types.MethodType(functools.partial(function, *extra) if extra else function, obj)
+
+
+def bind_layer(layer, strategy):
+    """Gives ``layer`` (which holds a PS variable of ``strategy``) its own ``get_weights``/``set_weights``."""
+    if "get_weights" not in layer.__dict__:
+        _bind_method(layer, "get_weights", _layer_get_weights, strategy)
+        _bind_method(layer, "set_weights", _layer_set_weights, strategy)
+
+
+def _unbind(model):
+    model.__dict__.pop(_STATE, None)
+    for name in _BOUND:
+        model.__dict__.pop(name, None)
+
+
+def _compile(model, *args, **kwargs):
+    original = _ORIGINAL_COMPILE[0]
+    strategy = current_strategy()
+    if strategy is None:
+        owners = [s for s in list(_STRATEGIES) if any(s.is_ps_variable(v) for v in model.weights)]
+        if owners:
+            raise ValueError(
+                f"Model {model.name!r} holds variables on PS tasks (created inside HybridStrategy.scope()) but is "
+                "compiled outside the scope: it would train without the other workers. Received: compile() outside "
+                "the scope. Call compile inside `with strategy.scope():`.")
+        _unbind(model)
+        return original(model, *args, **kwargs)
+    _STRATEGIES.add(strategy)
+    bound = inspect.signature(original).bind(model, *args, **kwargs)
+    bound.apply_defaults()
+    if bound.arguments.get("jit_compile"):
+        raise ValueError("jit_compile=True is not supported under HybridStrategy (XLA cannot compile the remote "
+                         "PS ops of a training step). Received: jit_compile=True. Leave it unset or False.")
+    optimizer, step, clones = strategy.make_optimizer(bound.arguments["optimizer"])
+    bound.arguments["optimizer"] = optimizer
+    _unbind(model)
+    model.__dict__[_STATE] = Compiled(strategy, step, clones)
+    _bind_method(model, "fit", _fit, original_method(model, "fit"))
+    for name in ("evaluate", "predict"):
+        _bind_method(model, name, _run_quietly_on_workers, original_method(model, name))
+    _bind_method(model, "get_weights", _layer_get_weights, strategy)
+    _bind_method(model, "set_weights", _layer_set_weights, strategy)
+    _bind_method(model, "make_train_function", _make_train_function, original_method(model, "make_train_function"))
+    return original(*bound.args, **bound.kwargs)
+
+
+def _make_train_function(original, model, force=False):
+    """``steps_per_execution = N``: N calls of a one-step train function per execution, each ending at the step's
+    barrier (Keras' in-graph loop does not keep the PS update of one step before the reads of the next)."""
+    if model.train_function is not None and not force:
+        return model.train_function
+    single = keras_compat.single_step_train_function(model, original)
+
+    def train_function(iterator):
+        outputs = None
+        for _ in range(keras_compat.steps_per_execution(model)):  # Keras lowers it for an epoch's last execution
+            outputs = single(iterator)
+        return outputs
+
+    model.train_function = train_function
+    return train_function
+
+
+def original_method(obj, name):
+    """Keras' own ``name`` of ``obj``'s class (unbound)."""
+    return getattr(type(obj), name)
+
+
+def _fit(original, model, *args, **kwargs):
+    strategy = compiled(model).strategy
+    bound = inspect.signature(original).bind(model, *args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    n, index = strategy.num_workers, strategy.worker_index
+    data_lib.check_supported(a["x"])
+    if data_lib.is_per_worker(a["x"]):
+        _check_same_steps(strategy, data_lib.local_steps(a["x"], a["steps_per_epoch"]))
+    elif data_lib.is_dataset(a["x"]):
+        a["x"] = data_lib.shard_dataset(a["x"], n, index, a["steps_per_epoch"])
+    else:
+        arrays = (a["x"], a["y"], a["sample_weight"])
+        if a["validation_split"] and a["validation_data"] is None:
+            arrays, a["validation_data"] = keras_compat.train_validation_split(arrays, a["validation_split"])
+            a["validation_split"] = 0.0
+        a["x"], a["y"], a["sample_weight"] = data_lib.shard_arrays(arrays, n, index)
+    ours = [fit_callbacks.SyncReplicatedVariables(strategy), fit_callbacks.AverageMetrics(strategy)]
+    if strategy.partitioned_tables and not strategy.partition_search["done"]:
+        ours.insert(1, partition_search.PartitionSearch(strategy))
+    log_dir = os.environ.get("KPARALLAX_LOG_DIR")
+    if log_dir and strategy.num_workers > 1:
+        ours.append(fit_callbacks.ProgressFile(log_dir, strategy.worker_index))
+    if not strategy.is_chief:
+        a["verbose"] = 0
+    elif a["verbose"] != 0:
+        ours.append(keras_compat.progbar_logger())
+        _announce(strategy, model)
+    a["callbacks"] = ours + list(a["callbacks"] or [])
+    with strategy.scope():
+        try:
+            return original(*bound.args, **bound.kwargs)
+        except tf_compat.InvalidArgumentError as e:
+            raise _explained(e) from None
+
+
+def _announce(strategy, model):
+    """Prints, once per model on worker 0, where its variables live (tables -> PS tasks, sizes)."""
+    if model.__dict__.get("_kparallax_announced"):
+        return
+    model.__dict__["_kparallax_announced"] = True
+    on_ps = {}
+    for variable in model.trainable_variables:
+        entry = strategy.registry.get(variable)
+        if entry is not None:
+            path = entry.table.path if entry.table is not None else entry.path
+            tasks, size = on_ps.get(path, ([], 0))
+            on_ps[path] = (tasks + [entry.task], size + variable.shape.num_elements() * variable.dtype.size)
+    replicated = [v for v in model.trainable_variables if strategy.registry.get(v) is None]
+    shown = "; ".join(f"{path} -> ps{sorted(set(tasks))} ({_bytes(size)})" for path, (tasks, size) in on_ps.items())
+    print(f"kparallax: {strategy.num_workers} worker(s), {strategy.cluster.num_ps} PS task(s), architecture "
+          f"{strategy.options.architecture}; on PS: {shown or 'nothing'}; {len(replicated)} replicated variable(s) "
+          f"({_bytes(sum(v.shape.num_elements() * v.dtype.size for v in replicated))})", flush=True)
+
+
+def _bytes(n):
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+_OUT_OF_RANGE = re.compile(r"indices\[[0-9,]+\] = (-?[0-9]+) is not in \[0, ([0-9]+)\)")
+
+
+def _explained(error):
+    """TensorFlow's CPU gather error for an id outside a table, said plainly (other errors unchanged)."""
+    match = _OUT_OF_RANGE.search(str(error))
+    if not match:
+        return error
+    return ValueError(f"The input holds id {match.group(1)}, outside an embedding table (or table shard) of "
+                      f"{match.group(2)} rows: ids must be in [0, vocabulary size). Check the data against the "
+                      f"vocabulary (or raise the Embedding's input_dim). Received: id={match.group(1)}.")
+
+
+def _check_same_steps(strategy, steps):
+    if strategy.num_workers == 1:
+        return
+    counts = [row[0] for row in collectives.allgather_ints([steps], name="kp_steps_per_epoch")]
+    if len(set(counts)) != 1:
+        raise ValueError(f"Every worker must run the same number of steps per epoch, or the collectives hang. "
+                         f"Received: steps per worker {counts}. Pass steps_per_epoch=min(...) (for example "
+                         f"{min(counts)}) and repeat the dataset.")
+
+
+def _run_quietly_on_workers(original, model, *args, **kwargs):
+    strategy = compiled(model).strategy
+    bound = inspect.signature(original).bind(model, *args, **kwargs)
+    bound.apply_defaults()
+    if not strategy.is_chief:
+        bound.arguments["verbose"] = 0
+    with strategy.scope():
+        return original(*bound.args, **bound.kwargs)
+
+
+def _layer_get_weights(strategy, layer):
+    values = original_method(layer, "get_weights")(layer)
+    variables = layer.weights
+    table_of = strategy.registry.table_of
+    if len(variables) != len(values) or not any(table_of(v) for v in variables):
+        return values
+    return tables.merge_weights(variables, values, table_of)
+
+
+def _layer_set_weights(strategy, layer, weights):
+    """Whole tables are split over their shards; only worker 0 writes PS variables (one shared copy: the others'
+    writes would race with worker 0's later ones, e.g. a checkpoint restore)."""
+    variables = layer.weights
+    weights = list(weights)
+    table_of = strategy.registry.table_of
+    if any(table_of(v) for v in variables) and len(weights) == tables.whole_weight_count(variables, table_of):
+        weights = tables.split_weights(variables, weights, table_of)
+    if strategy.is_chief or len(weights) != len(variables):
+        return original_method(layer, "set_weights")(layer, weights)
+    pairs = []
+    for variable, value in zip(variables, weights):
+        if tuple(variable.shape) != tuple(getattr(value, "shape", ())):
+            raise ValueError(f"Layer {layer.name} weight {variable.name} has shape {tuple(variable.shape)}; the "
+                             f"value given has shape {getattr(value, 'shape', None)}. Received: a mismatched list.")
+        if not strategy.is_ps_variable(variable):
+            pairs.append((variable, value))
+    tf.keras.backend.batch_set_value(pairs)
+    return None

@@ -1,0 +1,288 @@
+"""HybridStrategy: dense variables replicated and allreduced, embedding tables shared on PS tasks.
+
+A facade: it validates its arguments and hands the work to the pieces. ``cluster.runtime`` joins the cluster;
+``placement`` decides where each variable lives; ``registry`` owns the PS variables it creates (``tables`` for
+partitioned ones); ``keras_hooks`` binds Keras' ``compile``/``fit`` of the models compiled in its scope; and
+``make_optimizer`` assembles the model's step (``kparallax.step``).
+"""
+
+import contextlib
+from typing import Mapping, Optional, Union
+
+import horovod.tensorflow as hvd
+import tensorflow as tf
+from kparallax import log as logging
+
+from kparallax._compat import keras as keras_compat
+from kparallax._compat import tf as tf_compat
+from kparallax.cluster import Cluster
+from kparallax.cluster import runtime
+from kparallax.core import keras_hooks
+from kparallax.core import options as options_lib
+from kparallax.core import partition_search
+from kparallax.core import placement as placement_lib
+from kparallax.core import registry as registry_lib
+from kparallax.core import shared_variables
+from kparallax.core import tables
+from kparallax.step import clones as clones_lib
+from kparallax.step import collectives
+from kparallax.step import local_aggregation
+from kparallax.step import ps_async
+from kparallax.step import ps_sync
+from kparallax.step import train_step
+
+
+class HybridStrategy:
+    """Trains an unchanged Keras model on many workers, Parallax style.
+
+    Inside ``scope()``, every ``tf.keras.layers.Embedding`` table (and any variable a placement rule maps to
+    ``"ps"``) is created once on a parameter-server task and shared by all workers; every other variable is
+    replicated on each worker. ``model.compile`` inside the scope wraps the optimizer so that dense gradients are
+    averaged with one fused Horovod allreduce and sparse gradients are aggregated on the PS and applied there as
+    one update per step. Training is synchronous and equals single-process training on the concatenated batch.
+
+    Args:
+      cluster: the ``Cluster``; defaults to ``Cluster.from_env()``.
+      architecture: ``"hybrid"`` (default), ``"allreduce"`` (every variable replicated; no PS needed) or ``"ps"``
+        (every trainable floating-point variable on PS). None reads ``$KPARALLAX_ARCHITECTURE`` (``kparallax-run
+        --architecture``), else ``"hybrid"``.
+      placement: optional mapping from variable-path regex to ``"ps"``, ``"ps:P"`` (P row shards) or
+        ``"replicated"`` (overrides the architecture's default).
+      partitions: row shards per Embedding table (int >= 1), spread over the PS tasks; or ``"auto"``: time a few
+        real steps at P = num_ps, 2*num_ps, ... up to ``max_partitions``, fit t(P) = a/P + b(P-1) + c, keep the
+        best P, and go on training (state is carried over exactly).
+      max_partitions: upper bound of the ``"auto"`` search.
+      auto_steps: timed steps per candidate of the ``"auto"`` search (each after one warm-up step).
+      average_sparse: average sparse gradients over workers (True, the single-process equivalent) or sum them.
+      sparse_as_dense: under ``"allreduce"``, densify sparse gradients instead of allgathering them.
+      local_aggregation: workers on one host sum their sparse gradients and one of them pushes per host;
+        ``"auto"`` (default) does so unless every worker and PS task is on one host.
+      backward_passes_per_step: micro-batches accumulated locally (dense and sparse) before one communication
+        and one update; ``fit``'s ``batch_size`` is then the micro-batch.
+      sync: False makes PS updates asynchronous (each worker's update applied on arrival; dense stays synchronous).
+      compression: ``"none"`` or ``"fp16"`` (Horovod's fp16 compression of the dense allreduce).
+      connect_timeout: seconds to wait for the PS tasks to accept connections.
+      init_timeout: seconds a worker waits for the chief to initialize a shared variable.
+
+    Example:
+      ```python
+      strategy = kp.HybridStrategy(kp.Cluster.from_env())
+      with strategy.scope():
+          model = build_model()
+          model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+          model.fit(x, y, batch_size=64, epochs=2)   # batch_size is per worker
+      ```
+    """
+
+    def __init__(self, cluster: Optional[Cluster] = None, *, architecture: Optional[str] = None,
+                 placement: Optional[Mapping[str, str]] = None, partitions: Union[int, str] = 1,
+                 max_partitions: int = 16, auto_steps: int = 5, average_sparse: bool = True, sparse_as_dense: bool = False,
+                 local_aggregation: Union[bool, str] = "auto", backward_passes_per_step: int = 1, sync: bool = True,
+                 compression: str = "none", connect_timeout: float = 30.0, init_timeout: float = 300.0):
+        cluster = Cluster.from_env() if cluster is None else cluster
+        if not isinstance(cluster, Cluster):
+            raise TypeError(f"cluster must be a kparallax.Cluster. Received: {type(cluster).__name__}.")
+        self._options = options_lib.Options(
+            architecture=options_lib.architecture_from_env(architecture), partitions=partitions,
+            max_partitions=max_partitions, auto_steps=auto_steps, average_sparse=average_sparse, sparse_as_dense=sparse_as_dense,
+            local_aggregation=local_aggregation, backward_passes_per_step=backward_passes_per_step, sync=sync,
+            compression=compression)
+        for name, value in (("connect_timeout", connect_timeout), ("init_timeout", init_timeout)):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds. Received: {name}={value!r}.")
+        self._cluster = cluster
+        self._placement = placement_lib.Placement(placement, cluster.num_ps, self._options.architecture,
+                                                  self._options.partitions)
+        runtime.connect(cluster, connect_timeout)
+        store = shared_variables.SharedVariableStore(cluster, is_initializer=cluster.is_chief,
+                                                     init_timeout=init_timeout)
+        self._registry = registry_lib.Registry(store)
+        self._tables = []        # partitioned tables under partitions="auto" (tables.Table)
+        self._clones = []        # the PS-side optimizer state of every compiled model
+        self._search = partition_search.new_state()
+        logging.info("kparallax: %d worker(s), %d PS task(s), %s", hvd.size(), cluster.num_ps, self._options)
+        keras_hooks.install()
+
+    # Properties users need -----------------------------------------------------------------------------
+    @property
+    def cluster(self):
+        return self._cluster
+
+    @property
+    def num_workers(self):
+        return hvd.size()
+
+    @property
+    def worker_index(self):
+        return hvd.rank()
+
+    @property
+    def is_chief(self):
+        return hvd.rank() == 0
+
+    @property
+    def registry(self):
+        """The ``Registry`` of this strategy's PS variables (paths, tasks, tables, helper variables)."""
+        return self._registry
+
+    def is_ps_variable(self, variable):
+        """True if ``variable`` is a shared variable on a PS task."""
+        return self._registry.is_ps(variable)
+
+    def ps_info(self, variable):
+        """(path, PS task) of a PS variable."""
+        entry = self._registry.entry(variable)
+        return entry.path, entry.task
+
+    @property
+    def options(self):
+        """The validated ``Options`` this strategy trains with."""
+        return self._options
+
+    @property
+    def partitioned_tables(self):
+        """Tables whose partition count the ``partitions="auto"`` search may change."""
+        return list(self._tables)
+
+    @property
+    def partition_search(self):
+        """State of the ``partitions="auto"`` search: ``samples`` {P: s/step}, ``model`` (a, b, c), ``chosen``."""
+        return self._search
+
+    def push_counts(self):
+        """{PS variable path: pushes received} (every worker's, or one per host with local aggregation)."""
+        return self._registry.counts(ps_sync.PUSHES)
+
+    def placement_summary(self):
+        """What lives where: [{"path", "task", "shape", "table", "shard"}] of every PS variable."""
+        return self._registry.summary()
+
+    # Scope ---------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def scope(self):
+        """Context in which variables are placed and ``Model.compile`` wraps the optimizer."""
+        with keras_hooks.active(self), tf.variable_creator_scope(self._create_variable):
+            yield self
+
+    def _create_variable(self, next_creator, **kwargs):
+        path = tf_compat.full_variable_name(kwargs.get("name"))
+        initial_value = kwargs.get("initial_value")
+        shape = kwargs.get("shape")
+        if shape is None or not tf.TensorShape(shape).is_fully_defined():
+            value = initial_value() if callable(initial_value) else initial_value
+            shape, initial_value = tf.convert_to_tensor(value).shape, value
+        shape = tf.TensorShape(shape)
+        dtype = kwargs.get("dtype") or tf.convert_to_tensor(
+            initial_value() if callable(initial_value) else initial_value).dtype
+        # Keras' step counters (int64 tf.Variables, trainable by tf.Variable's default) are bookkeeping, not weights.
+        trainable = kwargs.get("trainable", True) is not False and tf.as_dtype(dtype).is_floating
+        layer = keras_compat.layer_being_built()
+        embedding = isinstance(layer, keras_compat.Embedding)
+        decision = self._placement.decide(path, shape.as_list(), embedding, trainable)
+        if decision.where == placement_lib.REPLICATED:
+            variable = next_creator(**kwargs)
+            if trainable:
+                logging.info("placement: %s %s -> replicated (%s)", path, shape.as_list(), decision.why)
+            return variable
+        constraint = kwargs.get("constraint")
+        if layer is not None:
+            keras_hooks.bind_layer(layer, self)
+        if len(decision.rows) == 1 and not decision.auto:
+            variable = self._registry.create(path, shape, dtype, initial_value, decision.ps_task,
+                                             trainable=trainable, constraint=constraint)
+            logging.info("placement: %s %s -> ps[%d] %s (%s)", path, shape.as_list(), decision.ps_task,
+                         self._cluster.ps[decision.ps_task], decision.why)
+            return variable
+        table = tables.Table(path, tuple(shape.as_list()), tf.as_dtype(dtype), [], None)
+        self._create_shards(table, decision.rows, decision.ps_tasks, _whole_value(initial_value, dtype),
+                            trainable, constraint)
+        if decision.auto:
+            self._tables.append(table)
+        logging.info("placement: %s %s -> %d shard(s) of rows %s on ps%s (%s%s)", path, shape.as_list(),
+                     len(decision.rows), list(decision.rows), list(decision.ps_tasks), decision.why,
+                     ", partitions='auto' search" if decision.auto else "")
+        return table.sharded
+
+    def _create_shards(self, table, rows, ps_tasks, whole_value, trainable, constraint):
+        shards, start = [], 0
+        row_shape = list(table.shape[1:])
+        for i, (count, task) in enumerate(zip(rows, ps_tasks)):
+            shard_path = f"{table.path}/part_{i}_of_{len(rows)}"
+            if table.generation:
+                shard_path += f"_g{table.generation}"
+            begin, end = start, start + count
+            shards.append(self._registry.create(shard_path, [count] + row_shape, table.dtype,
+                                                lambda b=begin, e=end: whole_value()[b:e], task, trainable=trainable,
+                                                constraint=constraint, table=table, shard=i))
+            start = end
+        table.shards, table.sharded = shards, tables.make_sharded(table.path, shards)
+
+    def repartition(self, table, partitions, model):
+        """Re-splits partitioned ``table`` into ``partitions`` shards; values and optimizer state carry over.
+
+        A collective: every worker calls it between the same two steps. The chief copies the rows into new
+        shards (spread round-robin over the PS tasks) and moves the optimizer slots; the model's layer is pointed
+        at the new shards and its train step is retraced; the old shards are freed.
+        """
+        if partitions == len(table.shards):
+            return
+        tf_compat.async_wait()
+        old_shards, old_sharded = table.shards, table.sharded
+        rows = placement_lib.shard_rows(table.shape[0], partitions)
+        first = self._registry.entry(old_shards[0]).task
+        tasks = [(first + i) % self._cluster.num_ps for i in range(partitions)]
+        table.generation += 1
+        whole = _whole_value(lambda: tf.concat([s.read_value() for s in old_shards], 0), table.dtype)
+        self._create_shards(table, rows, tasks, whole, old_shards[0].trainable, old_shards[0].constraint)
+        if self.is_chief:
+            for clones in self._clones:
+                clones.move_state(old_shards, table.shards)
+        keras_compat.replace_weights(model, old_shards, old_sharded, table.shards, table.sharded)
+        keras_compat.reset_train_function(model)
+        collectives.eager_barrier(self.num_workers, name=f"kp_repartition_{table.generation}")
+        stale = []
+        for shard in old_shards:
+            stale += self._registry.remove(shard)
+        if self.is_chief:
+            for variable in list(old_shards) + stale:
+                tf_compat.destroy_variable(variable)
+        logging.info("repartitioned %s: %d -> %d shard(s) of rows %s on ps%s", table.path, len(old_shards),
+                     partitions, list(rows), tasks)
+
+    def settle_partitions(self, partitions):
+        """Ends the ``"auto"`` search: later tables are created with ``partitions`` shards."""
+        self._placement.settle_auto(partitions)
+
+    # Used by keras_hooks --------------------------------------------------------------------------------
+    def make_optimizer(self, optimizer):
+        """Returns (routing optimizer, its ``Step``, its ``Clones``) for ``optimizer`` (a string or instance)."""
+        optimizer = train_step.resolve(optimizer)
+        sync = self._options.sync
+        clones = clones_lib.Clones(self._registry, optimizer, shared_slots=not sync)
+        if sync:
+            local_set = None
+            aggregate = self._options.local_aggregation
+            if aggregate == "auto":
+                aggregate = not runtime.job_on_one_host(self._cluster)
+            if aggregate and self.num_workers > 1 and self._cluster.ps:
+                local_set = runtime.local_process_set()
+            ps_path = ps_sync.SyncPs(self._registry, clones, self.num_workers, self.is_chief,
+                                     self._options.average_sparse, local_aggregation.LocalAggregation(local_set))
+        else:
+            ps_path = ps_async.AsyncPs(self._registry, clones)
+        step = train_step.Step(self._options, self.num_workers, self.is_ps_variable, ps_path)
+        wrapped = train_step.wrap(optimizer, step)
+        clones.learning_rate_source = wrapped
+        self._clones.append(clones)
+        return wrapped, step, clones
+
+
+def _whole_value(initial_value, dtype):
+    """A callable returning the table's initial value, evaluated at most once (by the chief only)."""
+    cache = []
+
+    def value():
+        if not cache:
+            cache.append(tf.cast(initial_value() if callable(initial_value) else initial_value, dtype))
+        return cache[0]
+    return value

@@ -1,0 +1,102 @@
+"""Embedding tables split row-wise into shards on several PS tasks.
+
+A partitioned table is a ``ShardedVariable`` (TensorFlow's container for row shards): ``tf.nn.embedding_lookup``
+on it gathers from the shards that own the ids only ("div" split: shard i holds a contiguous block of rows, the
+first ``V % P`` shards one row more), and each shard receives its own IndexedSlices gradient, so lookups and
+updates touch only the owning shards. Keras lists the shards as the layer's weights (as under TensorFlow's
+ParameterServerStrategy); ``get_weights``/``set_weights`` of the layers and models holding one are bound per
+instance (``keras_hooks``) to present each table whole, with these functions. ``table_of(variable)`` is the
+registry's: (Table, shard index) for a shard, else None.
+"""
+
+import dataclasses
+from typing import List, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from kparallax._compat import tf as tf_compat
+
+
+@dataclasses.dataclass
+class Table:
+    """One partitioned table: its path and current shards (replaced by a re-partitioning)."""
+    path: str
+    shape: Tuple[int, ...]
+    dtype: tf.DType
+    shards: List[tf.Variable]
+    sharded: object  # the ShardedVariable handed to Keras
+    generation: int = 0
+
+
+def make_sharded(table_path, shards):
+    return tf_compat.ShardedVariable(list(shards), name=table_path)
+
+
+def merge_weights(variables, values, table_of):
+    """Given a layer's weight variables and their values, returns the values with each table's shards joined."""
+    position = {id(v): i for i, v in enumerate(variables)}
+    out = []
+    for variable, value in zip(variables, values):
+        owner = table_of(variable)
+        if owner is None:
+            out.append(value)
+        elif owner[1] == 0:
+            out.append(np.concatenate([values[position[id(s)]] if id(s) in position else s.numpy()
+                                       for s in owner[0].shards], axis=0))
+    return out
+
+
+def split_weights(variables, values, table_of):
+    """Inverse of ``merge_weights``: expands each whole-table value into one value per shard of ``variables``."""
+    expanded, it = [], iter(values)
+    pending = {}
+    for variable in variables:
+        owner = table_of(variable)
+        if owner is None:
+            expanded.append(next(it))
+            continue
+        table, index = owner
+        if index == 0:
+            whole = np.asarray(next(it))
+            if tuple(whole.shape) != tuple(table.shape):
+                raise ValueError(f"Weight for partitioned table {table.path!r} has shape {whole.shape}, expected "
+                                 f"{tuple(table.shape)} (the whole table). Received: shape={whole.shape}.")
+            bounds = np.cumsum([0] + [int(s.shape[0]) for s in table.shards])
+            pending[id(table)] = [whole[bounds[i]:bounds[i + 1]] for i in range(len(table.shards))]
+        expanded.append(pending[id(table)][index])
+    return expanded
+
+
+def whole_weight_count(variables, table_of):
+    return sum(1 for v in variables if table_of(v) is None or table_of(v)[1] == 0)
+
+
+def join_row_state(shards, states):
+    """Joins per-shard optimizer state into per-table arrays.
+
+    ``states[i]`` lists shard i's optimizer variables (same order for every shard). Row-shaped ones (slots shaped
+    like their shard) are concatenated over shards; the others (``iterations``, ...) are taken from shard 0.
+    """
+    joined = []
+    for j in range(len(states[0])):
+        parts = [state[j] for state in states]
+        if all(p.shape.rank and p.shape == s.shape for p, s in zip(parts, shards)):
+            joined.append(np.concatenate([p.numpy() for p in parts], axis=0))
+        else:
+            joined.append(parts[0].numpy())
+    return joined
+
+
+def split_row_state(shards, states, joined):
+    """Inverse of ``join_row_state``: assigns each joined array to the optimizer variables of ``shards``."""
+    bounds = np.cumsum([0] + [int(s.shape[0]) for s in shards])
+    for j, value in enumerate(joined):
+        for i, state in enumerate(states):
+            row_shaped = state[j].shape.rank and state[j].shape == shards[i].shape
+            part = value[bounds[i]:bounds[i + 1]] if row_shaped and np.ndim(value) else value
+            if tuple(state[j].shape) != tuple(np.shape(part)):
+                raise ValueError(f"Optimizer state {j} of a table has shape {np.shape(value)}, which does not fit "
+                                 f"{state[j].shape}: was it written for another model or optimizer? "
+                                 f"Received: {np.shape(value)}.")
+            state[j].assign(part)

@@ -1,0 +1,61 @@
+"""The local default of kparallax-run: every task on this host, addresses on 127.0.0.1."""
+
+import os
+import sys
+import time
+import uuid
+
+import portpicker
+
+from kparallax.cluster import coordinator as coordinator_lib
+from kparallax.cluster import spec as spec_lib
+from kparallax.launch import env as env_lib
+from kparallax.launch import tasks as tasks_lib
+
+
+def run(args):
+    run_id = args.run_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    log_dir = env_lib.log_dir_for(args, run_id)
+    ps_hosts = [f"127.0.0.1:{portpicker.pick_unused_port()}" for _ in range(args.ps)]
+    worker_hosts = [f"127.0.0.1:{portpicker.pick_unused_port()}" for _ in range(args.workers)]
+    cluster = spec_lib.Cluster(ps=ps_hosts, workers=worker_hosts, run_id=run_id,
+                               connect_lock=os.path.join(log_dir, "connect.lock"))
+    env_lib.write_cluster_json(log_dir, cluster)
+    base_env = env_lib.base_env(args, ps_hosts, worker_hosts, run_id, log_dir, cluster.connect_lock)
+    try:
+        base_env.update(env_lib.bind_env(args, "127.0.0.1"))
+    except RuntimeError as e:
+        print(f"kparallax-run: {e}", file=sys.stderr)
+        return 2
+    tasks, failure, interrupted, coordinator = [], None, False, None
+    restore = env_lib.interruptible()
+    try:
+        failure = tasks_lib.start_ps(range(args.ps), ps_hosts, base_env, log_dir, tasks)
+        if failure is None:
+            slots = coordinator_lib.slot_plan([("localhost", args.workers)])
+            port = portpicker.pick_unused_port()
+            coordinator = coordinator_lib.Coordinator("127.0.0.1", port, slots)
+            for slot in slots:
+                env = dict(base_env, **coordinator_lib.horovod_env(slot, "127.0.0.1", port, "lo"))
+                env.pop(coordinator_lib.ENV_COORDINATOR)  # one host: the lock file orders first connections
+                env.update({spec_lib.ENV_TASK_TYPE: "worker", spec_lib.ENV_TASK_INDEX: str(slot.rank)})
+                tasks.append(tasks_lib.spawn("worker", slot.rank, args.command, env, log_dir,
+                                             echo=slot.rank == 0 and not args.quiet))
+            failure = tasks_lib.supervise(tasks, args.timeout,
+                                          stall=tasks_lib.StallWatch(tasks, log_dir, args.stall_timeout))
+            if failure is not None and not failure.progress:
+                failure.progress = tasks_lib.progress_report(tasks, log_dir)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        tasks_lib.stop_all(tasks)
+        if coordinator is not None:
+            coordinator.stop()
+        restore()
+    if interrupted:
+        print(f"kparallax-run: interrupted; stopped all {len(tasks)} task(s). Logs: {log_dir}", file=sys.stderr)
+        return 130
+    if failure is not None:
+        print(f"kparallax-run: {failure.message()}", file=sys.stderr)
+        return failure.code
+    return 0

@@ -1,1 +1,0 @@
-"""Parameter-server side of kparallax: the server process, shared variables and sparse aggregation."""

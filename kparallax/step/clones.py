@@ -1,0 +1,78 @@
+"""The PS-side optimizer state: one clone of the user's optimizer per PS variable, living on that variable's task.
+
+Synchronous training: only the chief applies PS updates, with its own clones (their slots are created on the PS
+device, so the update math runs there). Asynchronous training: every worker has clones, and their slot variables
+are shared PS variables (one set of optimizer state updated by all workers). Clones read the learning rate of the
+optimizer Keras trains with, so schedules and callbacks changing it apply to both paths.
+"""
+
+import contextlib
+
+import tensorflow as tf
+
+from kparallax._compat import keras as keras_compat
+from kparallax._compat import tf as tf_compat
+from kparallax.core import tables
+
+
+class Clones:
+    """Optimizer clones of the PS variables of one compiled model.
+
+    Args:
+      registry: the strategy's ``Registry`` (PS task and path of each variable, shared slots).
+      optimizer: the user's optimizer (cloned by config).
+      shared_slots: True under asynchronous training (slots shared by all workers).
+    """
+
+    def __init__(self, registry, optimizer, shared_slots):
+        self._registry = registry
+        self._optimizer = optimizer
+        self._shared = shared_slots
+        self._clones = {}
+        self.learning_rate_source = None  # the optimizer Keras trains with
+
+    @tf.autograph.experimental.do_not_convert
+    def get(self, variable):
+        """The clone for ``variable`` (created on first use, with slots on ``variable``'s PS task)."""
+        key = variable.ref()
+        if key not in self._clones:
+            with tf.init_scope(), tf.device(variable.device), \
+                    (self._shared_slot_scope(variable) if self._shared else contextlib.nullcontext()):
+                clone = keras_compat.clone_optimizer(self._optimizer)
+                if self.learning_rate_source is not None:
+                    keras_compat.share_learning_rate(clone, self.learning_rate_source)
+                keras_compat.build_optimizer(clone, [variable])
+            self._clones[key] = clone
+        return self._clones[key]
+
+    def existing(self, variable):
+        """The clone for ``variable`` if one was made (it applied an update or was restored), else None."""
+        return self._clones.get(variable.ref())
+
+    def _shared_slot_scope(self, variable):
+        def creator(_, **kwargs):
+            initial_value = kwargs["initial_value"]
+            value = initial_value() if callable(initial_value) else initial_value
+            value = tf.convert_to_tensor(value, dtype=kwargs.get("dtype"))
+            return self._registry.shared_slot(variable, (kwargs.get("name") or "slot").split(":")[0], value)
+        return tf.variable_creator_scope(creator)
+
+    def state(self, shards):
+        """Optimizer state of ``shards`` (one table) joined over shards, or None if a shard has no clone yet."""
+        clones = [self.existing(s) for s in shards]
+        if any(c is None for c in clones):
+            return None
+        return tables.join_row_state(shards, [keras_compat.optimizer_variables(c) for c in clones])
+
+    def set_state(self, shards, joined):
+        """Inverse of ``state``: splits ``joined`` over the clones of ``shards`` (created if needed)."""
+        tables.split_row_state(shards, [keras_compat.optimizer_variables(self.get(s)) for s in shards], joined)
+
+    def move_state(self, old_variables, new_variables):
+        """After a re-partitioning: carries the optimizer state of the old shards to the new ones (chief only)."""
+        old = [self._clones.pop(v.ref(), None) for v in old_variables]
+        if any(o is None for o in old):
+            return
+        joined = tables.join_row_state(old_variables, [keras_compat.optimizer_variables(o) for o in old])
+        self.set_state(new_variables, joined)
+        tf_compat.async_wait()

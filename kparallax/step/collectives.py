@@ -1,0 +1,144 @@
+"""Horovod collectives of a step: the dense gradient allreduce, the ids allgather and the barrier.
+
+Every collective here has a fixed name (Horovod matches tensors across workers by name) and every output the step
+does not otherwise use is read by a stateful op (``_compat.horovod.KeepAlive``): the Grappler workaround is written
+once, here. Ordering between a worker's ops and remote (PS) ops is expressed with *data* edges only: a "token" is
+an int64 scalar >= 1 read from a PS-side counter after the ops it stands for, and ``tie`` makes a tensor depend on
+tokens without changing its value. TensorFlow's multi-device functions do not keep cross-device control edges
+(seen with TF 2.15.1: a collective ordered after a remote op only by a control edge was pruned on one worker and
+the others waited forever).
+"""
+
+import zlib
+
+import horovod.tensorflow as hvd
+import tensorflow as tf
+
+from kparallax._compat import horovod as hvd_compat
+
+_COMPRESSION = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
+
+
+def ready(tokens):
+    """int64 scalar 1 that exists only once every token does (``tokens``: int64 scalars >= 1)."""
+    if not tokens:
+        return tf.constant(1, tf.int64)
+    return tf.minimum(tf.add_n([tf.cast(t, tf.int64) for t in tokens]), 1)
+
+
+def tie(tensor, tokens):
+    """``tensor`` (an integer tensor), unchanged in value but computed only after ``tokens`` (a data edge)."""
+    if not tokens:
+        return tensor
+    return tensor + tf.cast(ready(tokens) - 1, tensor.dtype)
+
+
+def average_gradients(grads_and_vars, num_workers, compression="none", sparse_as_dense=False):
+    """Averages gradients of replicated variables across workers with one fused (grouped) allreduce.
+
+    Dense gradients are allreduced; ``tf.IndexedSlices`` are allgathered (values and indices, Horovod's default)
+    unless ``sparse_as_dense``, which densifies them first.
+
+    Args:
+      grads_and_vars: list of (gradient, replicated variable).
+      num_workers: Horovod size.
+      compression: ``"none"`` or ``"fp16"`` (dense tensors travel as float16).
+      sparse_as_dense: densify IndexedSlices before reducing.
+
+    Returns:
+      List of (averaged gradient, variable), in the same order.
+    """
+    grads = [tf.convert_to_tensor(g) if sparse_as_dense and isinstance(g, tf.IndexedSlices) else g
+             for g, _ in grads_and_vars]
+    variables = [v for _, v in grads_and_vars]
+    if num_workers == 1 or not grads:
+        return list(zip(grads, variables))
+    dense = [i for i, g in enumerate(grads) if not isinstance(g, tf.IndexedSlices)]
+    sparse = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
+    out = list(grads)
+    if dense:
+        reduced = hvd.grouped_allreduce([grads[i] for i in dense], op=hvd.Average,
+                                        compression=_COMPRESSION[compression], name="kp_dense_grads")
+        for i, g in zip(dense, reduced):
+            out[i] = g
+    if sparse:
+        values = hvd.grouped_allgather([grads[i].values for i in sparse], name="kp_replicated_sparse_values")
+        indices = hvd.grouped_allgather([tf.cast(grads[i].indices, tf.int64) for i in sparse],
+                                        name="kp_replicated_sparse_indices")
+        for i, v, ids in zip(sparse, values, indices):
+            out[i] = tf.IndexedSlices(v / tf.cast(num_workers, v.dtype), ids, grads[i].dense_shape)
+    return list(zip(out, variables))
+
+
+def allgather(tensors, num_workers, name, process_set=None):
+    """Grouped allgather of ``tensors`` (identity on one worker)."""
+    if num_workers == 1 or not tensors:
+        return list(tensors)
+    if process_set is None:
+        return hvd.grouped_allgather(list(tensors), name=name)
+    return hvd.grouped_allgather(list(tensors), process_set=process_set, name=name)
+
+
+def barrier(num_workers, tokens=(), name="kp_barrier"):
+    """A float scalar ready only when every worker has passed this point with its ``tokens`` (int64 scalars).
+
+    The result feeds data edges (``tie``) or ``keep_alive``; a barrier nobody reads is pruned by Grappler. Its
+    input is scaled by a constant derived from ``name`` (>= 1): Horovod ops are not stateful, so Grappler's common
+    subexpression elimination would merge two barriers of one step that receive the same tokens (seen: a worker
+    ran ``kp_ps_pushed`` but never ``kp_step_done``, and the others waited for it). Its input also always
+    depends on a worker-local counter incremented here: with a constant input (a worker with no tokens), Grappler's
+    constant folding would evaluate the collective while optimizing the graph (seen: a hang at the first step).
+    """
+    salt = 1.0 + float(zlib.crc32(name.encode()) % 1009)
+    token = tf.cast(ready(list(tokens) + [_LOCAL_COUNTER.next()]), tf.float32) * salt
+    if num_workers == 1:
+        return token
+    return hvd.allreduce(token, op=hvd.Sum, name=name)
+
+
+class _LocalCounter:
+    """A worker-local int64 variable; ``next()`` increments it and returns the new value (>= 1)."""
+
+    def __init__(self):
+        self._variable = None
+
+    @tf.autograph.experimental.do_not_convert
+    def next(self):
+        if self._variable is None:
+            with tf.init_scope():
+                self._variable = tf.Variable(0, dtype=tf.int64, trainable=False, name="kp_barriers_passed")
+        return tf.convert_to_tensor(self._variable.assign_add(1))
+
+
+_LOCAL_COUNTER = _LocalCounter()
+_KEEP_ALIVE = hvd_compat.KeepAlive()
+
+
+def keep_alive(tensors):
+    """A stateful op reading one element of each tensor, so that collectives whose outputs the step does not use
+    still run on every worker (see ``_compat.horovod``)."""
+    return _KEEP_ALIVE.consume([t for t in tensors if t is not None])
+
+
+def allgather_ints(values, name):
+    """Every worker's list of ``len(values)`` integers, as a list per worker (eager; a tensor collective:
+    nothing is unpickled from the network)."""
+    local = tf.constant([list(values)], tf.int64)
+    if hvd.size() == 1:
+        return [list(values)]
+    return [list(map(int, row)) for row in hvd.allgather(local, name=name).numpy()]
+
+
+def allgather_text(text, name, width=256):
+    """Every worker's short string (UTF-8, at most ``width`` bytes), sent as a fixed-width byte tensor."""
+    data = text.encode("utf-8")
+    if len(data) > width:
+        raise ValueError(f"{name}: {text!r} is longer than {width} bytes. Received: {len(data)} bytes.")
+    rows = allgather_ints([len(data)] + list(data) + [0] * (width - len(data)), name)
+    return [bytes(row[1:1 + row[0]]).decode("utf-8") for row in rows]
+
+
+def eager_barrier(num_workers, name):
+    """Blocks until every worker reached this point (eager)."""
+    if num_workers > 1:
+        hvd.allreduce(tf.constant(1.0), op=hvd.Sum, name=name).numpy()

@@ -1,0 +1,51 @@
+"""Local aggregation: the workers of one host sum their PS gradients and only the host's first worker pushes.
+
+Sparse gradients are allgathered inside the host's Horovod process set (ids and rows) and re-deduplicated by the
+leader; dense gradients are summed with an allreduce inside the set. The PS then receives one push per host
+instead of one per worker (Parallax's local aggregation).
+"""
+
+import horovod.tensorflow as hvd
+import tensorflow as tf
+
+
+def dedup(ids, rows):
+    """(unique ids, rows summed per id)."""
+    ids, index = tf.unique(tf.cast(ids, tf.int64))
+    return ids, tf.math.unsorted_segment_sum(rows, index, tf.shape(ids)[0])
+
+
+class LocalAggregation:
+    """Aggregation inside one host's process set (None: every worker pushes its own gradients).
+
+    Args:
+      process_set: the Horovod process set of this host's workers, or None.
+    """
+
+    def __init__(self, process_set):
+        self._set = process_set
+
+    @property
+    def is_leader(self):
+        """Whether this worker pushes (for its host)."""
+        return self._set is None or self._set.rank() == 0
+
+    def sparse(self, deduped):
+        """Given [(ids, rows)] per variable: what this worker pushes ([(ids, rows)], or None if it does not push)
+        and the collective outputs it must keep alive."""
+        if self._set is None or not deduped:
+            return deduped, []
+        ids = hvd.grouped_allgather([i for i, _ in deduped], process_set=self._set, name="kp_local_ids")
+        rows = hvd.grouped_allgather([r for _, r in deduped], process_set=self._set, name="kp_local_rows")
+        if not self.is_leader:
+            return None, list(ids) + list(rows)
+        return [dedup(i, r) for i, r in zip(ids, rows)], []
+
+    def dense(self, grads):
+        """Given dense gradients: what this worker pushes (or None) and the outputs it must keep alive."""
+        if self._set is None or not grads:
+            return grads, []
+        summed = hvd.grouped_allreduce(list(grads), op=hvd.Sum, process_set=self._set, name="kp_local_dense")
+        if not self.is_leader:
+            return None, list(summed)
+        return list(summed), []

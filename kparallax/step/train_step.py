@@ -1,0 +1,147 @@
+"""One training step under kparallax: the optimizer wrapper that routes each gradient to its path.
+
+``wrap(optimizer, step)`` returns an optimizer of the user's class (same hyper-parameters) whose
+``apply_gradients`` builds the step:
+
+  1. split the gradients: replicated variables vs PS variables (the strategy's registry decides);
+  2. PS path (``ps_sync.SyncPs`` or ``ps_async.AsyncPs``): push, exchange ids, the chief's update on the PS;
+  3. dense path: one fused Horovod allreduce (``collectives.average_gradients``), applied locally by the user's
+     optimizer, while the PS path is in flight;
+  4. synchronous PS training ends at a barrier carrying the PS path's tokens, so no worker reads PS rows of the
+     next step before the chief's update of this one has landed.
+With ``backward_passes_per_step = k`` the gradients are first accumulated locally (``accumulation.py``) and steps
+2-4 run every k-th call.
+"""
+
+import tensorflow as tf
+from kparallax import log as logging
+
+from kparallax._compat import keras as keras_compat
+from kparallax.step import accumulation
+from kparallax.step import collectives
+
+_KNOWN = ("sgd", "adam", "adagrad", "rmsprop", "adamax", "nadam", "adadelta", "ftrl", "adamw", "lion")
+
+
+def resolve(optimizer):
+    """Turns a string or instance into a tf.keras optimizer instance, with one clear error for anything else."""
+    if isinstance(optimizer, str):
+        if optimizer.lower() not in _KNOWN:
+            raise ValueError(f"Unknown optimizer {optimizer!r}. Use one of {list(_KNOWN)} or a "
+                             f"tf.keras.optimizers instance. Received: optimizer={optimizer!r}.")
+        optimizer = tf.keras.optimizers.get(optimizer)
+    keras_compat.optimizer_family(optimizer)  # raises for anything that is not a tf.keras optimizer
+    if keras_compat.global_clipnorm(optimizer):
+        raise ValueError(
+            "global_clipnorm is not supported yet: the global norm would span the allreduce and PS paths. Use "
+            f"clipnorm (per variable) instead. Received: global_clipnorm={keras_compat.global_clipnorm(optimizer)}.")
+    return optimizer
+
+
+class Step:
+    """Everything the routing optimizer of one compiled model needs to build its step.
+
+    Args:
+      options: the strategy's ``Options``.
+      num_workers: Horovod size.
+      is_ps_variable: callable(variable) -> bool.
+      ps_path: ``SyncPs`` or ``AsyncPs`` (``build(grads_and_vars) -> PsStep``).
+    """
+
+    def __init__(self, options, num_workers, is_ps_variable, ps_path):
+        self.options = options
+        self.num_workers = num_workers
+        self.is_ps_variable = is_ps_variable
+        self.ps_path = ps_path
+        self.accumulator = (accumulation.GradientAccumulator(options.backward_passes_per_step)
+                            if options.backward_passes_per_step > 1 else None)
+        self._logged = False
+        self._sent = None  # {"dense", "sparse"}: int64 variables, bytes this worker sent
+
+    def sent_bytes(self):
+        """(dense, sparse) bytes this worker has sent so far: allreduce payload and PS pushes."""
+        if self._sent is None:
+            return 0, 0
+        return int(self._sent["dense"].numpy()), int(self._sent["sparse"].numpy())
+
+    @tf.autograph.experimental.do_not_convert
+    def _count_sent(self, dense_grads, ps_bytes):
+        if self._sent is None:
+            with tf.init_scope():
+                self._sent = {k: tf.Variable(0, dtype=tf.int64, trainable=False, name=f"kp_{k}_bytes_sent")
+                              for k in ("dense", "sparse")}
+        tensors = [g.values if isinstance(g, tf.IndexedSlices) else g for g, _ in dense_grads]
+        tensors += [g.indices for g, _ in dense_grads if isinstance(g, tf.IndexedSlices)]
+        dense_bytes = tf.add_n([tf.cast(tf.size(t), tf.int64) * t.dtype.size for t in tensors]
+                               or [tf.constant(0, tf.int64)])
+        return [self._sent["dense"].assign_add(dense_bytes), self._sent["sparse"].assign_add(ps_bytes)]
+
+    def split(self, grads_and_vars):
+        dense, ps = [], []
+        for grad, variable in grads_and_vars:
+            if grad is not None:
+                (ps if self.is_ps_variable(variable) else dense).append((grad, variable))
+        if not self._logged:
+            self._logged = True
+            effective = self.options.architecture
+            if effective == "hybrid" and not ps:
+                effective = "allreduce (the model has no PS variable)"
+            elif effective == "hybrid" and not dense:
+                effective = "ps (the model has no replicated trainable variable)"
+            logging.info("architecture: %s -> %s; %d variable(s) on PS, %d replicated; sync=%s, "
+                         "backward_passes_per_step=%d, compression=%s", self.options.architecture, effective,
+                         len(ps), len(dense), self.options.sync, self.options.backward_passes_per_step,
+                         self.options.compression)
+        return dense, ps
+
+    def build(self, optimizer, dense, ps, apply_dense):
+        """Builds one step for ``dense`` and ``ps`` (lists of (gradient, variable)); ``apply_dense`` applies the
+        averaged dense gradients with the user's optimizer. Returns the op Keras' step waits for."""
+        ps_step = self.ps_path.build(ps) if ps else None
+        keep = list(ps_step.keep) if ps_step else []
+        counters = self._count_sent(dense, ps_step.sent_bytes if ps_step else tf.constant(0, tf.int64))
+        applied = None
+        if dense:
+            averaged = collectives.average_gradients(dense, self.num_workers, compression=self.options.compression,
+                                                     sparse_as_dense=self.options.sparse_as_dense)
+            applied = apply_dense(averaged)
+        if ps_step is not None and self.options.sync:
+            keep.append(collectives.barrier(self.num_workers, ps_step.tokens, name="kp_step_done"))
+        outputs = [collectives.keep_alive(keep)] if keep else []
+        if applied is None:
+            with tf.control_dependencies(outputs + [c.op for c in counters]):
+                applied = optimizer.iterations.assign_add(1)
+        return applied
+
+
+class _RoutingMixin:
+    """Mixed in front of the user's optimizer class; the step is set by ``wrap``."""
+
+    _kp_step = None
+
+    @tf.autograph.experimental.do_not_convert
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        step = self._kp_step
+        dense, ps = step.split(list(grads_and_vars))
+
+        def build(dense, ps):
+            return step.build(self, dense, ps, lambda averaged: super(_RoutingMixin, self).apply_gradients(
+                averaged, *args, **kwargs))
+
+        if step.accumulator is not None:
+            return step.accumulator.accumulate_then(dense + ps, lambda averaged: build(*step.split(averaged)))
+        return build(dense, ps)
+
+
+def wrap(optimizer, step):
+    """Returns a routing optimizer of ``optimizer``'s class, hyper-parameters and name.
+
+    Args:
+      optimizer: a tf.keras optimizer instance (new or legacy).
+      step: the model's ``Step``.
+    """
+    base = type(optimizer)
+    cls = type(base.__name__, (_RoutingMixin, base), {"__module__": base.__module__})
+    wrapped = cls.from_config(optimizer.get_config())
+    wrapped._kp_step = step  # pylint: disable=protected-access
+    return wrapped

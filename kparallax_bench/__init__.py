@@ -1,0 +1,8 @@
+"""The benchmark suite (not part of the kparallax library).
+
+    benchmark        the driver: runs variants side by side (``kparallax-bench``, ``scripts/benchmark.py``)
+    worker           one run of one variant (started by the driver)
+    traffic          analytic bytes per step of each variant (the floors)
+    netem            emulated hosts and links (network namespaces, tc) for multi-host runs on one machine
+    project_scaling  the projection to many workers, validated against measured runs
+"""

@@ -1,0 +1,196 @@
+"""One benchmark run of one variant (started by kparallax_bench.benchmark; not a user entry point).
+
+    python -m kparallax_bench.worker --variant V --model M --steps S --warmup W --batch_size B --out FILE [--partitions P]
+
+Variants: kparallax-hybrid / -allreduce / -allreduce-dense / -ps (kparallax under kparallax-run), horovod /
+horovod-dense (plain Horovod Keras: hvd.DistributedOptimizer + BroadcastGlobalVariablesCallback; kparallax is never
+imported), tf-pss (TensorFlow ParameterServerStrategy + Model.fit; this process is the chief, a worker server or a PS
+server, as TF_CONFIG says), single (one plain process). Synthetic data. Worker 0 (the chief for tf-pss) writes
+``start`` and ``stop`` around the timed steps to the FIFO named by $KPBENCH_MARKS (the driver reads the byte
+counters then), and writes FILE (JSON): per-step times after the warm-up, plus the analytic floor inputs.
+"""
+
+import argparse
+import json
+import os
+import time
+
+from kparallax_bench import traffic
+
+
+def mark(label):
+    """Tells the driver that the timed window starts or stops (it reads the byte counters at once)."""
+    path = os.environ.get("KPBENCH_MARKS")
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(label + "\n")
+
+
+def parse():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--variant", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--batch_size", type=int, default=None)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--partitions", type=int, default=1, help="kparallax variants: shards per table")
+    return parser.parse_args()
+
+
+def build(model_name, batch_size, workers, rank):
+    import tensorflow as tf
+    from kparallax_models import imagenet_data, lm1b, resnet
+    if model_name.startswith("lm1b"):
+        config = lm1b.preset(model_name, **({"batch_size": batch_size} if batch_size else {}))
+        x, y = traffic.lm1b_windows(config, seed=rank)
+        data = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(config.batch_size, drop_remainder=True)
+        info = traffic.lm1b_shape(config, x, y)
+        return (lambda: lm1b.LM1B(config)), (lambda: lm1b.make_optimizer(config)), None, data, info
+    config = resnet.preset(model_name, **({"batch_size": batch_size} if batch_size else {}))
+    data = imagenet_data.synthetic(config.batch_size, config.image_size, config.num_classes, seed=rank)
+    info = {"unit": "images", "items_per_step": config.batch_size}
+    loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return (lambda: resnet.build(config)), (lambda: resnet.make_optimizer(config, workers)), loss, data, info
+
+
+def step_timer(warmup, rank):
+    """A callback recording each step's seconds after ``warmup`` steps; rank 0 marks the timed window."""
+    import tensorflow as tf
+
+    class StepTimer(tf.keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.times, self.last = [], None
+
+        def on_train_batch_end(self, batch, logs=None):
+            now = time.perf_counter()
+            if batch + 1 == warmup and rank == 0:
+                mark("start")
+            if batch + 1 > warmup:
+                self.times.append(now - self.last)
+            self.last = now
+
+        @property
+        def timed_steps(self):
+            return len(self.times)
+
+        def on_train_end(self, logs=None):
+            if rank == 0:
+                mark("stop")
+    return StepTimer()
+
+
+def epoch_timer(rounds):
+    """tf-pss: Model.fit joins all scheduled steps at each epoch's end; epoch 0 is the warm-up, and each later
+    epoch of ``rounds`` steps per worker gives one sample of seconds per round."""
+    import tensorflow as tf
+
+    class EpochTimer(tf.keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.times, self.last = [], None
+
+        def on_epoch_end(self, epoch, logs=None):
+            now = time.perf_counter()
+            if epoch == 0:
+                mark("start")
+            else:
+                self.times.append((now - self.last) / rounds)
+            self.last = now
+
+        @property
+        def timed_steps(self):  # per worker
+            return len(self.times) * rounds
+
+        def on_train_end(self, logs=None):
+            mark("stop")
+    return EpochTimer()
+
+
+def tf_pss(args):
+    """The tf-pss variant: serve as a worker or PS (never returns), or, as the chief, run Model.fit.
+
+    Returns (model, timer, workers, info)."""
+    import math
+    import tensorflow as tf
+    config = json.loads(os.environ["TF_CONFIG"])
+    task, cluster = config["task"], config["cluster"]
+    if task["type"] in ("worker", "ps"):
+        server = tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=task["type"], task_index=task["index"],
+                                      protocol="grpc", start=True)
+        server.join()
+    workers, num_ps = len(cluster["worker"]), len(cluster["ps"])
+    partitioner = (tf.distribute.experimental.partitioners.MinSizePartitioner(max_shards=num_ps) if num_ps > 1
+                   else None)
+    strategy = tf.distribute.ParameterServerStrategy(
+        tf.distribute.cluster_resolver.TFConfigClusterResolver(), variable_partitioner=partitioner)
+    make_model, make_optimizer, loss, _, info = build(args.model, args.batch_size, workers, 0)
+    with strategy.scope():
+        model = make_model()
+        model.compile(optimizer=make_optimizer(), loss=loss)
+    rounds = max(args.warmup, math.ceil(args.steps / 5))   # steps per worker per epoch
+
+    def dataset_fn(context):
+        return build(args.model, args.batch_size, workers, context.input_pipeline_id)[3]
+    timer = epoch_timer(rounds)
+    model.fit(tf.keras.utils.experimental.DatasetCreator(dataset_fn), epochs=1 + math.ceil(args.steps / rounds),
+              steps_per_epoch=rounds * workers, verbose=0, callbacks=[timer])
+    return model, timer, workers, info
+
+
+def main():
+    args = parse()
+    variant = args.variant
+    if variant == "tf-pss":
+        model, timer, workers, info = tf_pss(args)
+        rank = 0
+    elif variant.startswith("kparallax-"):
+        import kparallax as kp
+        architecture = {"kparallax-hybrid": "hybrid", "kparallax-allreduce": "allreduce",
+                        "kparallax-allreduce-dense": "allreduce", "kparallax-ps": "ps"}[variant]
+        strategy = kp.HybridStrategy(kp.Cluster.from_env(), architecture=architecture,
+                                     sparse_as_dense=variant == "kparallax-allreduce-dense",
+                                     partitions=args.partitions)
+        workers, rank = strategy.num_workers, strategy.worker_index
+        timer = step_timer(args.warmup, rank)
+        make_model, make_optimizer, loss, data, info = build(args.model, args.batch_size, workers, rank)
+        with strategy.scope():
+            model = make_model()
+            model.compile(optimizer=make_optimizer(), loss=loss)
+            model.fit(kp.data.per_worker(data), epochs=1, steps_per_epoch=args.warmup + args.steps, verbose=0,
+                      callbacks=[timer])
+    elif variant.startswith("horovod"):
+        import horovod.tensorflow.keras as hvd
+        hvd.init()
+        workers, rank = hvd.size(), hvd.rank()
+        timer = step_timer(args.warmup, rank)
+        make_model, make_optimizer, loss, data, info = build(args.model, args.batch_size, workers, rank)
+        model = make_model()
+        optimizer = hvd.DistributedOptimizer(make_optimizer(), sparse_as_dense=variant == "horovod-dense")
+        model.compile(optimizer=optimizer, loss=loss)
+        model.fit(data, epochs=1, steps_per_epoch=args.warmup + args.steps, verbose=0,
+                  callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), timer])
+    elif variant == "single":
+        workers, rank = 1, 0
+        timer = step_timer(args.warmup, rank)
+        make_model, make_optimizer, loss, data, info = build(args.model, args.batch_size, 1, 0)
+        model = make_model()
+        model.compile(optimizer=make_optimizer(), loss=loss)
+        model.fit(data, epochs=1, steps_per_epoch=args.warmup + args.steps, verbose=0, callbacks=[timer])
+    else:
+        raise SystemExit(f"unknown variant {variant!r}")
+    if rank == 0:
+        import numpy as np
+        sparse = [w for w in model.trainable_weights if "embedding" in w.name or "softmax" in w.name]
+        dense_bytes = 4 * sum(int(np.prod(w.shape)) for w in model.trainable_weights if not any(w is s for s in sparse))
+        table_bytes = 4 * sum(int(np.prod(w.shape)) for w in sparse)
+        shape = {**info, "dense_bytes": dense_bytes, **({"table_bytes": table_bytes} if table_bytes else {})}
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump({"variant": variant, "workers": workers, "step_seconds": timer.times,
+                       "timed_steps": timer.timed_steps,
+                       "shape": shape}, f)
+
+
+if __name__ == "__main__":
+    main()

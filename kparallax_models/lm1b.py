@@ -1,0 +1,197 @@
+"""The LM1B language model (Jozefowicz et al. 2016, "Exploring the Limits of Language Modeling") as Parallax
+trained it: word embedding [V, E] -> dropout -> one LSTM with H units and a projection to P -> dropout ->
+sampled softmax over a [V, P] softmax matrix (plus a [V] bias). Both the embedding and the softmax matrix get
+sparse gradients, so both are ``tf.keras.layers.Embedding`` tables (kparallax puts them on PS tasks). Gradients
+of the LSTM are clipped to a global norm of ``clip_norm``. Evaluation uses the full softmax and reports perplexity.
+"""
+
+import dataclasses
+import math
+from typing import Any, Dict
+
+import tensorflow as tf
+
+from kparallax_models import presets
+
+
+@dataclasses.dataclass(frozen=True)
+class LMConfig:
+    """Hyper-parameters of the LM1B model and its training (the presets below)."""
+    vocab_size: int = 793471
+    embedding_dim: int = 512
+    lstm_units: int = 2048
+    projection_dim: int = 512
+    num_sampled: int = 8192
+    dropout: float = 0.1
+    clip_norm: float = 10.0
+    learning_rate: float = 0.2      # Adagrad
+    num_steps: int = 20             # unrolled LSTM steps per window
+    batch_size: int = 128           # per worker
+
+    def __post_init__(self):
+        for name in ("vocab_size", "embedding_dim", "lstm_units", "projection_dim", "num_sampled", "num_steps",
+                     "batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"LMConfig.{name} must be an integer >= 1. Received: {name}={value!r}.")
+        if self.num_sampled >= self.vocab_size:
+            raise ValueError(f"num_sampled must be smaller than vocab_size. Received: num_sampled={self.num_sampled}, "
+                             f"vocab_size={self.vocab_size}.")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1). Received: dropout={self.dropout!r}.")
+
+
+def preset(name, **overrides):
+    """The preset ``name`` (``configs/<name>.json``, or a path to a JSON config) with ``overrides`` applied."""
+    fields = presets.load("lm1b", name)
+    fields.update(overrides)
+    try:
+        return LMConfig(**fields)
+    except TypeError as e:
+        raise ValueError(f"Bad LM1B config {name!r}: {e}. Received: {sorted(fields)}.") from None
+
+
+class LSTMProjectionCell(tf.keras.layers.Layer):
+    """LSTM cell with a projection of the output (LSTMP): state (h [P], c [H]); forget-gate bias 1."""
+
+    def __init__(self, units, projection_dim, **kwargs):
+        super().__init__(**kwargs)
+        self.units, self.projection_dim = units, projection_dim
+        self.state_size = [projection_dim, units]
+        self.output_size = projection_dim
+
+    def build(self, input_shape):
+        input_dim = int(input_shape[-1])
+        self.kernel = self.add_weight("kernel", [input_dim + self.projection_dim, 4 * self.units],
+                                      initializer="glorot_uniform")
+        self.bias = self.add_weight("bias", [4 * self.units], initializer=tf.keras.initializers.Constant(
+            [0.0] * (2 * self.units) + [1.0] * self.units + [0.0] * self.units))  # gates i, j, f(+1), o
+        self.projection = self.add_weight("projection", [self.units, self.projection_dim],
+                                          initializer="glorot_uniform")
+        super().build(input_shape)
+
+    def call(self, inputs, states):
+        h, c = states
+        gates = tf.matmul(tf.concat([inputs, h], axis=1), self.kernel) + self.bias
+        i, j, f, o = tf.split(gates, 4, axis=1)
+        c = tf.sigmoid(f) * c + tf.sigmoid(i) * tf.tanh(j)
+        h = tf.matmul(tf.sigmoid(o) * tf.tanh(c), self.projection)
+        return h, [h, c]
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units, "projection_dim": self.projection_dim}
+
+
+def _shards(table):
+    """A table (or the shards of a partitioned one) as embedding_lookup expects it."""
+    return list(table.variables) if hasattr(table, "variables") and not isinstance(table, tf.Variable) else table
+
+
+def sampled_softmax_loss(weights, biases, targets, hidden, num_sampled, vocab_size):
+    """Mean sampled-softmax loss with a log-uniform (Zipf) sampler and accidental hits removed.
+
+    Only the rows of the true and sampled words are gathered from ``weights`` [V, P] and ``biases`` [V, 1], so
+    their gradients are sparse.
+    """
+    labels = tf.reshape(tf.cast(targets, tf.int64), [-1, 1])
+    hidden = tf.reshape(hidden, [-1, hidden.shape[-1]])
+    sampled, true_expected, sampled_expected = tf.random.log_uniform_candidate_sampler(
+        labels, num_true=1, num_sampled=num_sampled, unique=True, range_max=vocab_size)
+    ids = tf.concat([labels[:, 0], sampled], axis=0)
+    rows = tf.nn.embedding_lookup(_shards(weights), ids)
+    bias = tf.nn.embedding_lookup(_shards(biases), ids)[:, 0]
+    batch = tf.shape(labels)[0]
+    true_w, sampled_w = rows[:batch], rows[batch:]
+    true_logits = tf.reduce_sum(hidden * true_w, axis=1) + bias[:batch] - tf.math.log(true_expected[:, 0])
+    sampled_logits = (tf.matmul(hidden, sampled_w, transpose_b=True) + bias[batch:]
+                      - tf.math.log(sampled_expected))
+    hits = tf.cast(tf.equal(labels, sampled[tf.newaxis, :]), sampled_logits.dtype)
+    sampled_logits -= hits * 1e9   # a sampled word equal to the target is not a negative
+    logits = tf.concat([true_logits[:, tf.newaxis], sampled_logits], axis=1)
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(tf.zeros([batch], tf.int32), logits))
+
+
+class LM1B(tf.keras.Model):
+    """The LM1B model. ``fit`` data: (ids [batch, num_steps], next ids [batch, num_steps]); logs ``loss`` and
+    ``perplexity`` (sampled softmax while training, full softmax in ``evaluate``)."""
+
+    def __init__(self, config: LMConfig, **kwargs):
+        super().__init__(name=kwargs.pop("name", "lm1b"), **kwargs)
+        self.config = config
+        self.word_embedding = tf.keras.layers.Embedding(config.vocab_size, config.embedding_dim,
+                                                        name="word_embedding")
+        self.input_dropout = tf.keras.layers.Dropout(config.dropout)
+        self.lstm = tf.keras.layers.RNN(LSTMProjectionCell(config.lstm_units, config.projection_dim),
+                                        return_sequences=True, name="lstm")
+        self.output_dropout = tf.keras.layers.Dropout(config.dropout)
+        self.softmax_w = tf.keras.layers.Embedding(config.vocab_size, config.projection_dim, name="softmax_w")
+        self.softmax_b = tf.keras.layers.Embedding(config.vocab_size, 1, embeddings_initializer="zeros",
+                                                   name="softmax_b")
+        self.loss_tracker = tf.keras.metrics.Mean(name="loss")
+        self.build_all()
+
+    def build_all(self):
+        self(tf.zeros([1, 1], tf.int32))
+        for layer in (self.softmax_w, self.softmax_b):  # used through their tables only, never called
+            with tf.name_scope(f"{self.name}/{layer.name}"):
+                layer.build((None,))
+
+    def call(self, ids, training=False):
+        x = self.input_dropout(self.word_embedding(ids), training=training)
+        return self.output_dropout(self.lstm(x), training=training)   # [batch, steps, P]
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker]
+
+    def train_step(self, data):
+        ids, targets = data[0], data[1]
+        with tf.GradientTape() as tape:
+            hidden = self(ids, training=True)
+            loss = sampled_softmax_loss(self.softmax_w.embeddings, self.softmax_b.embeddings, targets, hidden,
+                                        self.config.num_sampled, self.config.vocab_size)
+        variables = self.trainable_variables
+        # compute_gradients (not tape.gradient) so that an optimizer wrapper that reduces gradients there, like
+        # horovod's DistributedOptimizer, sees them; for plain Keras optimizers it is tape.gradient.
+        grads = [g for g, _ in self.optimizer.compute_gradients(loss, variables, tape=tape)]
+        lstm = [i for i, v in enumerate(variables) if any(v is w for w in self.lstm.trainable_weights)]
+        clipped, _ = tf.clip_by_global_norm([grads[i] for i in lstm], self.config.clip_norm)
+        for i, g in zip(lstm, clipped):
+            grads[i] = g
+        self.optimizer.apply_gradients(zip(grads, variables))
+        self.loss_tracker.update_state(loss)
+        return self._logs()
+
+    def test_step(self, data):
+        ids, targets = data[0], data[1]
+        hidden = tf.reshape(self(ids, training=False), [-1, self.config.projection_dim])
+        weights = tf.convert_to_tensor(self.softmax_w.embeddings)
+        logits = tf.matmul(hidden, weights, transpose_b=True) + tf.reshape(
+            tf.convert_to_tensor(self.softmax_b.embeddings), [-1])
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(tf.reshape(targets, [-1]), logits))
+        self.loss_tracker.update_state(loss)
+        return self._logs()
+
+    def _logs(self):
+        loss = self.loss_tracker.result()
+        return {"loss": loss, "perplexity": tf.exp(loss)}
+
+    def get_config(self):
+        return {"config": dataclasses.asdict(self.config)}
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        return cls(LMConfig(**config["config"]))
+
+
+def make_optimizer(config: LMConfig, learning_rate=None):
+    """Adagrad at the preset's learning rate, as Parallax trained LM1B."""
+    return tf.keras.optimizers.Adagrad(learning_rate or config.learning_rate)
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 700.0))
+
+
+def config_dict(config: LMConfig) -> Dict[str, Any]:
+    return dataclasses.asdict(config)

@@ -1,0 +1,102 @@
+"""Fast tier: one process holding a real in-process PS server (tf.distribute.Server) and Horovod of size 1.
+
+Exercises placement, the registry, the Keras hooks, step building (push, id exchange, the chief's update on the PS)
+and the aggregation math without the launcher. Expected values come from plain Keras in this same process.
+"""
+
+import numpy as np
+import portpicker
+import pytest
+import tensorflow as tf
+
+import kparallax as kp
+
+VOCAB, EMB, LEN = 60, 4, 3
+
+
+@pytest.fixture(scope="module")
+def strategy():
+    ps = f"localhost:{portpicker.pick_unused_port()}"
+    worker = f"localhost:{portpicker.pick_unused_port()}"
+    server = tf.distribute.Server(tf.train.ClusterSpec({"ps": [ps], "worker": [worker]}), job_name="ps",
+                                  task_index=0, start=True)
+    strategy = kp.HybridStrategy(kp.Cluster(ps=[ps], workers=[worker], task_index=0, run_id="inprocess"))
+    yield strategy
+    del server
+
+
+def _data():
+    rng = np.random.default_rng(5)
+    ids = np.minimum(rng.zipf(1.5, size=(96, LEN)) - 1, VOCAB - 1).astype(np.int32)
+    return ids, rng.normal(size=(96, 1)).astype(np.float32)
+
+
+def _model(name, regularized=False):
+    regularizer = tf.keras.regularizers.l2(1e-2) if regularized else None
+    return tf.keras.Sequential([
+        tf.keras.Input((LEN,), dtype=tf.int32),
+        tf.keras.layers.Embedding(VOCAB, EMB, embeddings_regularizer=regularizer, name=f"{name}_embedding"),
+        tf.keras.layers.Flatten(), tf.keras.layers.Dense(1, name=f"{name}_out")], name=name)
+
+
+def _initial(model):
+    rng = np.random.default_rng(11)
+    return [rng.normal(scale=0.3, size=w.shape).astype(np.float32) for w in model.get_weights()]
+
+
+def _train(model, optimizer, epochs=2):
+    x, y = _data()
+    model.set_weights(_initial(model))
+    model.compile(optimizer=optimizer, loss="mse")
+    return model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0).history["loss"]
+
+
+@pytest.mark.parametrize("regularized", [False, True], ids=["sparse-gradient", "dense-gradient"])
+def test_table_on_ps_trains_like_plain_keras(strategy, regularized):
+    name = f"fast_{'reg' if regularized else 'plain'}"
+    plain = _model("plain", regularized)
+    expected_loss = _train(plain, tf.keras.optimizers.Adagrad(0.2))
+    with strategy.scope():
+        model = _model(name, regularized)
+        loss = _train(model, tf.keras.optimizers.Adagrad(0.2))
+    table = model.get_layer(f"{name}_embedding").embeddings
+    assert strategy.is_ps_variable(table) and "/job:ps/" in table.device
+    for got, want in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+    entry = strategy.registry.entry(table)
+    assert (entry.path, entry.task) == (f"{name}_embedding/embeddings", 0)
+    assert {"kp_accumulator", "kp_pushes", "kp_updates"} <= set(entry.helpers)
+    assert strategy.push_counts()[entry.path] == 12  # 96 / 16 per epoch, 2 epochs, one worker
+    accumulator = entry.helpers["kp_accumulator"].numpy()
+    assert not accumulator.any(), "the chief zeroes the accumulated rows after each update"
+
+
+def test_partitioned_table_is_whole_in_get_weights_and_shards_on_the_ps(strategy):
+    with strategy.scope():
+        model = _model("fast_parts")
+    layer = model.get_layer("fast_parts_embedding")
+    summary = [e for e in strategy.placement_summary() if e["table"] == "fast_parts_embedding/embeddings"]
+    assert summary == []  # partitions=1 in this strategy: one whole variable
+    assert [w.shape for w in layer.get_weights()] == [(VOCAB, EMB)]
+
+
+def test_hooks_are_per_model_instance(strategy):
+    keras_fit = tf.keras.Model.fit
+    assert keras_fit.__module__.startswith("keras"), keras_fit.__module__
+    assert tf.keras.layers.Layer.get_weights.__module__.startswith("keras")
+    assert tf.keras.layers.Layer.set_weights.__module__.startswith("keras")
+    plain = _model("fast_outside")
+    plain.compile(optimizer="sgd", loss="mse")
+    assert "fit" not in plain.__dict__ and plain.fit.__func__ is tf.keras.Model.fit
+    with strategy.scope():
+        inside = _model("fast_inside")
+        inside.compile(optimizer="sgd", loss="mse")
+    assert "fit" in inside.__dict__ and "get_weights" in inside.get_layer("fast_inside_embedding").__dict__
+
+
+def test_compiling_a_model_with_ps_variables_outside_the_scope_is_refused(strategy):
+    with strategy.scope():
+        model = _model("fast_refused")
+    with pytest.raises(ValueError, match="compiled outside the scope"):
+        model.compile(optimizer="sgd", loss="mse")
