@@ -100,3 +100,43 @@ def test_compiling_a_model_with_ps_variables_outside_the_scope_is_refused(strate
         model = _model("fast_refused")
     with pytest.raises(ValueError, match="compiled outside the scope"):
         model.compile(optimizer="sgd", loss="mse")
+
+
+def _rnn(name):
+    """A generic RNN over an LSTMCell: the cell reads its kernels inside the loop over time steps."""
+    return tf.keras.Sequential([tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB),
+                                tf.keras.layers.RNN(tf.keras.layers.LSTMCell(5), name=f"{name}_rnn"),
+                                tf.keras.layers.Dense(1)], name=name)
+
+
+def _reads_in_loops(model):
+    """ReadVariableOps inside the while-loop bodies of the model's traced train step (nested graphs too)."""
+    function = model.train_tf_function.get_concrete_function(
+        iter(tf.data.Dataset.from_tensor_slices(_data()).batch(16)))
+    pending, count = [(function.graph, False)], 0
+    while pending:
+        graph, in_loop = pending.pop()
+        for op in graph.get_operations():
+            count += in_loop and op.type == "ReadVariableOp"
+            for attr in ("body", "cond", "then_branch", "else_branch"):
+                try:
+                    nested = graph._get_function(op.get_attr(attr).name).graph  # pylint: disable=protected-access
+                except (ValueError, AttributeError, TypeError):
+                    continue
+                pending.append((nested, in_loop or (op.type in ("While", "StatelessWhile") and attr == "body")))
+    return count
+
+
+def test_architecture_ps_reads_each_dense_ps_variable_once_per_step_and_trains_exactly(strategy):
+    ps_strategy = kp.HybridStrategy(strategy.cluster, architecture="ps")
+    plain = _rnn("plain_rnn")
+    expected_loss = _train(plain, tf.keras.optimizers.SGD(0.1), epochs=1)
+    with ps_strategy.scope():
+        model = _rnn("fast_rnn")
+        loss = _train(model, tf.keras.optimizers.SGD(0.1), epochs=1)
+    assert ps_strategy.is_ps_variable(model.get_layer("fast_rnn_rnn").cell.kernel)
+    for got, want in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+    assert _reads_in_loops(plain) > 0, "plain Keras reads the kernels inside the loop: the check is not vacuous"
+    assert _reads_in_loops(model) == 0

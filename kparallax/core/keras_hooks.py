@@ -32,6 +32,7 @@ from kparallax._compat import tf as tf_compat
 from kparallax.core import data as data_lib
 from kparallax.core import fit_callbacks
 from kparallax.core import partition_search
+from kparallax.core import saving
 from kparallax.core import tables
 from kparallax.step import collectives
 
@@ -39,7 +40,8 @@ _LOCAL = threading.local()
 _STRATEGIES = weakref.WeakSet()
 _ORIGINAL_COMPILE = []
 _STATE = "_kparallax_compiled"
-_BOUND = ("fit", "evaluate", "predict", "get_weights", "set_weights", "make_train_function")
+_BOUND = ("fit", "evaluate", "predict", "get_weights", "set_weights", "make_train_function", "save", "save_weights",
+          "export", "load_weights")
 
 
 @dataclasses.dataclass
@@ -132,6 +134,9 @@ def _compile(model, *args, **kwargs):
     _bind_method(model, "get_weights", _layer_get_weights, strategy)
     _bind_method(model, "set_weights", _layer_set_weights, strategy)
     _bind_method(model, "make_train_function", _make_train_function, original_method(model, "make_train_function"))
+    for name in ("save", "save_weights", "export"):
+        _bind_method(model, name, saving.save, original_method(model, name), strategy)
+    _bind_method(model, "load_weights", saving.load_weights, original_method(model, "load_weights"), strategy)
     return original(*bound.args, **bound.kwargs)
 
 

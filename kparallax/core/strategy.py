@@ -22,8 +22,10 @@ from kparallax.core import options as options_lib
 from kparallax.core import partition_search
 from kparallax.core import placement as placement_lib
 from kparallax.core import registry as registry_lib
+from kparallax.core import saving
 from kparallax.core import shared_variables
 from kparallax.core import tables
+from kparallax.step import cached_reads
 from kparallax.step import clones as clones_lib
 from kparallax.step import collectives
 from kparallax.step import local_aggregation
@@ -165,6 +167,8 @@ class HybridStrategy:
             yield self
 
     def _create_variable(self, next_creator, **kwargs):
+        if saving.plain_variables_active():
+            return next_creator(**kwargs)
         path = tf_compat.full_variable_name(kwargs.get("name"))
         initial_value = kwargs.get("initial_value")
         shape = kwargs.get("shape")
@@ -190,6 +194,7 @@ class HybridStrategy:
         if len(decision.rows) == 1 and not decision.auto:
             variable = self._registry.create(path, shape, dtype, initial_value, decision.ps_task,
                                              trainable=trainable, constraint=constraint)
+            variable.read_policy = cached_reads.policy
             logging.info("placement: %s %s -> ps[%d] %s (%s)", path, shape.as_list(), decision.ps_task,
                          self._cluster.ps[decision.ps_task], decision.why)
             return variable
@@ -214,6 +219,7 @@ class HybridStrategy:
             shards.append(self._registry.create(shard_path, [count] + row_shape, table.dtype,
                                                 lambda b=begin, e=end: whole_value()[b:e], task, trainable=trainable,
                                                 constraint=constraint, table=table, shard=i))
+            shards[-1].read_policy = cached_reads.policy
             start = end
         table.shards, table.sharded = shards, tables.make_sharded(table.path, shards)
 

@@ -1,0 +1,47 @@
+"""Trains a model with a partitioned table (run under kparallax-run, 2 PS tasks) and saves it every way Keras
+offers; writes the expected weights and predictions for load_plain.py. Usage: export_partitioned.py OUT_DIR"""
+
+import os
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+import kparallax as kp
+
+VOCAB, EMB, LEN = 101, 4, 3
+
+
+def build():
+    ids = tf.keras.Input((LEN,), dtype=tf.int32, name="ids")
+    x = tf.keras.layers.Flatten()(tf.keras.layers.Embedding(VOCAB, EMB, name="table")(ids))
+    return tf.keras.Model(ids, tf.keras.layers.Dense(1, name="out")(x))
+
+
+def main(out):
+    strategy = kp.HybridStrategy(partitions=2)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, VOCAB, size=(64, LEN)).astype(np.int32)
+    y = rng.normal(size=(64, 1)).astype(np.float32)
+    with strategy.scope():
+        model = build()
+        model.compile(optimizer=tf.keras.optimizers.Adagrad(0.5), loss="mse")
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert len(model.get_layer("table").weights) == 2, "the table must be partitioned for this test"
+    model.save(os.path.join(out, "model.keras"))
+    model.save(os.path.join(out, "model.h5"))
+    model.save(os.path.join(out, "saved_model"))
+    model.save_weights(os.path.join(out, "weights.h5"))
+    with strategy.scope():
+        again = build()
+        again.compile(optimizer="sgd", loss="mse")
+        again.load_weights(os.path.join(out, "weights.h5"))
+    for a, b in zip(again.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    if strategy.is_chief:
+        np.savez(os.path.join(out, "expected.npz"), *model.get_weights(), x=x[:8], predictions=model.predict(x[:8]))
+        print("exported", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,33 @@
+"""Runs keras_programs in one plain process (MODE=reference, global batch) or under kparallax (MODE=kparallax,
+per-worker batch; under kparallax-run). Writes OUT_DIR/<program>.npz (weights) from worker 0.
+Usage: train_keras_programs.py OUT_DIR MODE"""
+
+import contextlib
+import os
+import sys
+
+import numpy as np
+
+import keras_programs as programs
+
+PER_WORKER_BATCH = 16
+
+
+def main(out_dir, mode):
+    if mode == "reference":
+        scope, batch, chief = contextlib.nullcontext, PER_WORKER_BATCH * programs.WORKERS, True
+    else:
+        import kparallax as kp  # pylint: disable=import-outside-toplevel
+        strategy = kp.HybridStrategy()
+        scope, batch, chief = strategy.scope, PER_WORKER_BATCH, strategy.is_chief
+    for name, program in programs.PROGRAMS.items():
+        model = program(scope, batch)
+        if chief:
+            np.savez(os.path.join(out_dir, f"{name}.npz"),  # vocabularies (object arrays) saved as strings
+                     *[w.astype(str) if w.dtype.kind == "O" else w for w in model.get_weights()])
+    if mode == "reference":
+        assert "kparallax" not in sys.modules, "the reference must not import kparallax"
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

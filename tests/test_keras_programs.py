@@ -1,0 +1,36 @@
+"""Ordinary Keras programs (dict inputs + AUC, tf.data of unknown length, class_weight with a regularized table,
+mask_zero + LSTM with validation_split and Keras callbacks, a custom train_step, an adapted TextVectorization) on 2 workers + 1 PS equal the same
+programs in one plain process on the global batch (issue 14)."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kparallax import testing
+from programs import keras_programs
+
+PROGRAMS = os.path.join(os.path.dirname(__file__), "programs")
+
+
+@pytest.mark.multiprocess
+def test_keras_programs_match_one_plain_process(tmp_path):
+    ref, got = tmp_path / "reference", tmp_path / "kparallax"
+    ref.mkdir()
+    got.mkdir()
+    done = subprocess.run([sys.executable, os.path.join(PROGRAMS, "train_keras_programs.py"), str(ref), "reference"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "train_keras_programs.py"), str(got),
+                             "kparallax"], log_dir=str(tmp_path / "logs"), workers=2, ps=1, timeout=300)
+    assert run.returncode == 0, run.report()
+    for name in keras_programs.PROGRAMS:
+        a, b = np.load(ref / f"{name}.npz"), np.load(got / f"{name}.npz")
+        assert a.files == b.files, name
+        for key in a.files:
+            if a[key].dtype.kind == "U":  # a lookup layer's vocabulary
+                np.testing.assert_array_equal(b[key], a[key], err_msg=f"{name}: {key}")
+            else:
+                np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-6, err_msg=f"{name}: {key}")
