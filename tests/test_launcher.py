@@ -155,3 +155,23 @@ def test_a_step_blocked_inside_a_worker_is_reported_within_the_stall_timeout(tmp
     assert "3 step(s) finished" in lines["worker 0"] and "3 step(s) finished" in lines["worker 1"], run.output
     assert str(tmp_path / "worker-1.log") in lines["worker 1"], run.output
     assert _processes_of_run(str(tmp_path)) == []
+
+
+@pytest.mark.multiprocess
+def test_a_cluster_file_of_this_host_only_starts_it_without_ssh(tmp_path):
+    """horovodrun starts local hosts directly; so does kparallax-run (an `ssh` on the PATH that fails proves it)."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "ssh").write_text("#!/bin/sh\necho 'ssh was called' >&2\nexit 255\n")
+    (fake / "ssh").chmod(0o755)
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text(f"rendezvous_port: {portpicker.pick_unused_port()}\n"
+                       "hosts:\n  - {host: 127.0.0.1, workers: 2, ps: 1}\n")
+    done = subprocess.run([sys.executable, "-m", "kparallax.launch", "--cluster", str(cluster), "--log_dir",
+                           str(tmp_path / "logs"), "--timeout", "120", "--", sys.executable,
+                           os.path.join(PROGRAMS, "worker_behaviour.py"), "ok"],
+                          capture_output=True, text=True, timeout=180, check=False,
+                          env=dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}"))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "ssh was called" not in done.stdout + done.stderr
+    assert "worker 0 of 2 ok" in done.stdout, done.stdout[-2000:]

@@ -9,6 +9,7 @@ import signal
 import sys
 import time
 
+from kparallax import log as logging
 from kparallax._compat import process
 from kparallax.cluster.spec import Cluster
 
@@ -24,7 +25,6 @@ def main():
         print("kparallax-ps: this process is not a PS task. "
               f"Received: task_type={cluster.task_type!r}. Set KPARALLAX_TASK_TYPE=ps.", file=sys.stderr)
         return 2
-    from absl import logging  # pylint: disable=import-outside-toplevel
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     stop = {"now": False}
 
