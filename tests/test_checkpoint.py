@@ -3,6 +3,7 @@ run, also on a different PS / partition count; atomic writes; clear errors for m
 
 import json
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -17,9 +18,11 @@ LM1B = os.path.join(os.path.dirname(__file__), "..", "scripts", "train_lm1b.py")
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def _run(tmp_path, name, ps, out, model_dir, total, kill_at=None):
+def _run(tmp_path, name, ps, out, model_dir, total, kill_at=None, launcher_args=(), always=False):
     argv = [sys.executable, RESUME, str(out), str(model_dir), str(total)] + ([str(kill_at)] if kill_at else [])
-    return testing.run_local(argv, log_dir=str(tmp_path / f"logs_{name}"), workers=2, ps=ps, timeout=300)
+    argv += ["always"] if always else []
+    return testing.run_local(argv, log_dir=str(tmp_path / f"logs_{name}"), workers=2, ps=ps, timeout=300,
+                             launcher_args=launcher_args)
 
 
 @pytest.mark.multiprocess
@@ -37,11 +40,38 @@ def test_killed_run_resumes_to_the_same_weights_even_with_other_ps_and_partition
     assert resumed.returncode == 0 and "resumed from step 10" in resumed.logs()["worker-0.log"], resumed.report()
     other = _run(tmp_path, "c", 1, c_out, tmp_path / "ckpt_c", 20)  # 1 PS task, unpartitioned table now
     assert other.returncode == 0 and "resumed from step 10" in other.logs()["worker-0.log"], other.report()
+    # kparallax-run --max_restarts: the same kill, and the launcher restarts the group, which resumes by itself.
+    d_out = tmp_path / "d"
+    d_out.mkdir()
+    restarted = _run(tmp_path, "d", 2, d_out, tmp_path / "ckpt_d", 20, kill_at=12, launcher_args=["--max_restarts", "2"])
+    assert restarted.returncode == 0, restarted.report()
+    assert "restart 1/2 after worker 1 failed with exit code -9" in restarted.output, restarted.report()
+    assert "resumed from step 10" in restarted.logs()["worker-0.log"], restarted.report()
+    assert (tmp_path / "logs_d" / "attempt-1" / "worker-1.log").exists()
     a = np.load(a_out / "final.npz")
-    for got in (np.load(b_out / "final.npz"), np.load(c_out / "final.npz")):
+    for got in (np.load(b_out / "final.npz"), np.load(c_out / "final.npz"), np.load(d_out / "final.npz")):
         assert int(got["iterations"]) == int(a["iterations"]) == 20
         for key in [k for k in a.files if k.startswith("arr_")]:
             np.testing.assert_allclose(got[key], a[key], rtol=RTOL, atol=ATOL, err_msg=key)
+
+
+@pytest.mark.multiprocess
+def test_a_crash_loop_ends_after_max_restarts_with_the_last_failure(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    run = _run(tmp_path, "loop", 1, out, tmp_path / "ckpt", 20, kill_at=7, launcher_args=["--max_restarts", "1"],
+               always=True)
+    assert run.returncode == 137, run.report()
+    assert "restart 1/1 after worker 1 failed with exit code -9" in run.output, run.report()
+    assert "worker 1 failed with exit code -9 (after 1 restart(s)); stopped all tasks." in run.output, run.report()
+
+
+def test_max_restarts_is_refused_where_it_is_not_built(tmp_path):
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text("hosts:\n  - {host: 127.0.0.1, workers: 1, ps: 1}\n")
+    done = subprocess.run([sys.executable, "-m", "kparallax.launch", "--cluster", str(cluster), "--max_restarts", "1",
+                           "--", "true"], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2 and "--max_restarts works in local mode only" in done.stderr, done.stderr
 
 
 def shutil_copy(src, dst):

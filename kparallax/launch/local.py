@@ -1,6 +1,13 @@
-"""The local default of kparallax-run: every task on this host, addresses on 127.0.0.1."""
+"""The local default of kparallax-run: every task on this host, addresses on 127.0.0.1.
 
+With ``--max_restarts N``, a failed group (any task exited, or the run stalled) is stopped and started again with
+the same run id and new ports, up to N times; the tasks see ``KPARALLAX_RESTART_COUNT`` and resume from their
+checkpoints. The logs of each failed attempt are kept under ``LOG_DIR/attempt-<k>/``.
+"""
+
+import glob
 import os
+import shutil
 import sys
 import time
 import uuid
@@ -12,23 +19,58 @@ from kparallax.cluster import spec as spec_lib
 from kparallax.launch import env as env_lib
 from kparallax.launch import tasks as tasks_lib
 
+RESTART_ENV = "KPARALLAX_RESTART_COUNT"
+
 
 def run(args):
     run_id = args.run_id or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     log_dir = env_lib.log_dir_for(args, run_id)
+    restore = env_lib.interruptible()
+    attempt, failure = 0, None
+    try:
+        while True:
+            failure = _run_once(args, run_id, log_dir, attempt)
+            if failure is None or not failure.restartable or attempt >= args.max_restarts:
+                break
+            attempt += 1
+            _keep_logs(log_dir, attempt)
+            print(f"kparallax-run: restart {attempt}/{args.max_restarts} after {failure.name} {failure.what}",
+                  file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        print(f"kparallax-run: interrupted; stopped all tasks. Logs: {log_dir}", file=sys.stderr)
+        return 130
+    finally:
+        restore()
+    if failure is not None:
+        if attempt:
+            failure.what += f" (after {attempt} restart(s))"
+        print(f"kparallax-run: {failure.message()}", file=sys.stderr)
+        return failure.code
+    return 0
+
+
+def _keep_logs(log_dir, attempt):
+    """Moves the failed attempt's task logs and progress files to ``LOG_DIR/attempt-<attempt>/``."""
+    kept = os.path.join(log_dir, f"attempt-{attempt}")
+    os.makedirs(kept, exist_ok=True)
+    for path in glob.glob(os.path.join(log_dir, "*.log")) + glob.glob(os.path.join(log_dir, "progress-worker-*")):
+        shutil.move(path, os.path.join(kept, os.path.basename(path)))
+
+
+def _run_once(args, run_id, log_dir, attempt):
+    """Starts the PS tasks and workers, supervises them, stops them all; returns the failure or None."""
     ps_hosts = [f"127.0.0.1:{portpicker.pick_unused_port()}" for _ in range(args.ps)]
     worker_hosts = [f"127.0.0.1:{portpicker.pick_unused_port()}" for _ in range(args.workers)]
     cluster = spec_lib.Cluster(ps=ps_hosts, workers=worker_hosts, run_id=run_id,
                                connect_lock=os.path.join(log_dir, "connect.lock"))
     env_lib.write_cluster_json(log_dir, cluster)
     base_env = env_lib.base_env(args, ps_hosts, worker_hosts, run_id, log_dir, cluster.connect_lock)
+    base_env[RESTART_ENV] = str(attempt)
     try:
         base_env.update(env_lib.bind_env(args, "127.0.0.1"))
     except RuntimeError as e:
-        print(f"kparallax-run: {e}", file=sys.stderr)
-        return 2
-    tasks, failure, interrupted, coordinator = [], None, False, None
-    restore = env_lib.interruptible()
+        return tasks_lib.Failure("kparallax-run", f"cannot start: {e}", 2, restartable=False)
+    tasks, coordinator = [], None
     try:
         failure = tasks_lib.start_ps(range(args.ps), ps_hosts, base_env, log_dir, tasks)
         if failure is None:
@@ -45,17 +87,8 @@ def run(args):
                                           stall=tasks_lib.StallWatch(tasks, log_dir, args.stall_timeout))
             if failure is not None and not failure.progress:
                 failure.progress = tasks_lib.progress_report(tasks, log_dir)
-    except KeyboardInterrupt:
-        interrupted = True
+        return failure
     finally:
         tasks_lib.stop_all(tasks)
         if coordinator is not None:
             coordinator.stop()
-        restore()
-    if interrupted:
-        print(f"kparallax-run: interrupted; stopped all {len(tasks)} task(s). Logs: {log_dir}", file=sys.stderr)
-        return 130
-    if failure is not None:
-        print(f"kparallax-run: {failure.message()}", file=sys.stderr)
-        return failure.code
-    return 0

@@ -44,6 +44,7 @@ class Failure:
     code: int        # the launcher's exit code
     log_path: str = ""
     remote: bool = False  # reported by another host's launcher
+    restartable: bool = True  # False for --timeout (and Ctrl-C): never restarted
 
     progress: str = ""   # where each worker was when the run failed
 
@@ -257,7 +258,7 @@ def supervise(tasks: List[Task], timeout: float, elsewhere: Optional[Callable[[]
             stalled = [t for t in tasks if t.role == "worker" and t.process.poll() is None]
             names = ", ".join(t.name for t in stalled)
             return Failure(stalled[0].name, f"did not finish within --timeout={timeout:.0f}s (still running: {names})",
-                           124, stalled[0].log_path)
+                           124, stalled[0].log_path, restartable=False)
         time.sleep(0.1)
 
 

@@ -1,10 +1,11 @@
 """Checkpoint/resume program (run under kparallax-run). Usage:
 
-    train_resume.py OUT_DIR MODEL_DIR TOTAL_STEPS [KILL_AT_STEP]
+    train_resume.py OUT_DIR MODEL_DIR TOTAL_STEPS [KILL_AT_STEP [always]]
 
 Trains the equivalence model (Adam) for TOTAL_STEPS global steps, checkpointing every 5 steps into MODEL_DIR and
 resuming from the latest checkpoint there (skipping the batches already consumed: deterministic data order). With
-KILL_AT_STEP, worker 1 SIGKILLs itself when that step ends (a preempted worker). Worker 0 saves the final weights.
+KILL_AT_STEP, worker 1 SIGKILLs itself when that step ends (a preempted worker) on the first attempt of the run
+(``$KPARALLAX_RESTART_COUNT`` unset or 0), or on every attempt with ``always``. Worker 0 saves the final weights.
 """
 
 import os
@@ -29,7 +30,9 @@ class KillAt(tf.keras.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def main(out_dir, model_dir, total, kill_at):
+def main(out_dir, model_dir, total, kill_at, always=False):
+    if os.environ.get("KPARALLAX_RESTART_COUNT", "0") != "0" and not always:
+        kill_at = 0
     strategy = kp.HybridStrategy(kp.Cluster.from_env(), partitions=2 if strategy_ps() > 1 else 1)
     rng = np.random.default_rng(5)
     n = common.PER_WORKER_BATCH * common.WORKERS * total
@@ -60,4 +63,5 @@ def strategy_ps():
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else 0)
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]) if len(sys.argv) > 4 else 0,
+         len(sys.argv) > 5 and sys.argv[5] == "always")
