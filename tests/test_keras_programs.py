@@ -1,5 +1,6 @@
 """Ordinary Keras programs (dict inputs + AUC, tf.data of unknown length, class_weight with a regularized table,
-mask_zero + LSTM with validation_split and Keras callbacks, a custom train_step, an adapted TextVectorization) on 2 workers + 1 PS equal the same
+mask_zero + LSTM with validation_split and Keras callbacks, a custom train_step, an adapted TextVectorization, the lookup/hashing/normalization/discretization layers, two models sharing a layer,
+ModelCheckpoint/CSVLogger/TensorBoard(histograms)/BackupAndRestore, mixed_float16) on 2 workers + 1 PS equal the same
 programs in one plain process on the global batch (issue 14)."""
 
 import os
@@ -33,4 +34,7 @@ def test_keras_programs_match_one_plain_process(tmp_path):
             if a[key].dtype.kind == "U":  # a lookup layer's vocabulary
                 np.testing.assert_array_equal(b[key], a[key], err_msg=f"{name}: {key}")
             else:
-                np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-6, err_msg=f"{name}: {key}")
+                # float16 compute rounds each worker's half-batch gradient differently from the full batch's:
+                # mixed_float16 is held to float16 precision on O(0.2) weights, everything else to float32.
+                atol = 2e-4 if name == "mixed_float16" else 1e-6
+                np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=atol, err_msg=f"{name}: {key}")

@@ -175,3 +175,13 @@ def test_a_cluster_file_of_this_host_only_starts_it_without_ssh(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "ssh was called" not in done.stdout + done.stderr
     assert "worker 0 of 2 ok" in done.stdout, done.stdout[-2000:]
+
+
+@pytest.mark.multiprocess
+def test_fit_of_a_model_compiled_outside_the_scope_is_refused_in_a_multi_worker_job(tmp_path):
+    run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "worker_behaviour.py"), "compile_outside"],
+                            log_dir=str(tmp_path), workers=2, ps=1, timeout=120)
+    assert run.returncode == 0, run.report()
+    for name in ("worker-0.log", "worker-1.log"):
+        assert "refused: Model" in run.logs()[name] and "compiled outside HybridStrategy.scope() in a job of 2 " \
+            "workers" in run.logs()[name], run.report()

@@ -75,8 +75,9 @@ def active(strategy):
         stack.pop()
 
 
-def install():
-    """Wraps ``tf.keras.Model.compile`` once (idempotent)."""
+def install(strategy):
+    """Remembers ``strategy`` and wraps ``tf.keras.Model.compile`` once (idempotent)."""
+    _STRATEGIES.add(strategy)
     if _ORIGINAL_COMPILE:
         return
     original = keras_compat.Model.compile
@@ -117,8 +118,10 @@ def _compile(model, *args, **kwargs):
                 "compiled outside the scope: it would train without the other workers. Received: compile() outside "
                 "the scope. Call compile inside `with strategy.scope():`.")
         _unbind(model)
+        jobs = [s for s in list(_STRATEGIES) if s.num_workers > 1]
+        if jobs:
+            _bind_method(model, "fit", _refuse_fit, jobs[0].num_workers)
         return original(model, *args, **kwargs)
-    _STRATEGIES.add(strategy)
     bound = inspect.signature(original).bind(model, *args, **kwargs)
     bound.apply_defaults()
     if bound.arguments.get("jit_compile"):
@@ -155,6 +158,13 @@ def _make_train_function(original, model, force=False):
 
     model.train_function = train_function
     return train_function
+
+
+def _refuse_fit(workers, model, *args, **kwargs):
+    raise ValueError(
+        f"Model {model.name!r} was compiled outside HybridStrategy.scope() in a job of {workers} workers: each "
+        "worker would train its own copy alone. Received: fit() of a model compiled outside the scope. Build and "
+        "compile it inside `with strategy.scope():` (evaluate and predict work either way).")
 
 
 def original_method(obj, name):

@@ -103,7 +103,7 @@ class HybridStrategy:
         self._clones = []        # the PS-side optimizer state of every compiled model
         self._search = partition_search.new_state()
         logging.info("kparallax: %d worker(s), %d PS task(s), %s", hvd.size(), cluster.num_ps, self._options)
-        keras_hooks.install()
+        keras_hooks.install(self)
 
     # Properties users need -----------------------------------------------------------------------------
     @property

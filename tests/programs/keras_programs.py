@@ -3,6 +3,9 @@ inside ``scope()`` (a plain ``contextlib.nullcontext`` in the single-process ref
 kparallax) with ``batch`` rows per step (the global batch in the reference, the per-worker batch under kparallax),
 and returns the trained model. Never imports kparallax."""
 
+import os
+import tempfile
+
 import numpy as np
 import tensorflow as tf
 
@@ -15,9 +18,11 @@ def _ids(seed):
 
 
 def _init(model, seed=21):
+    """Fixed random values for the trainable weights (adapted preprocessing state is kept)."""
     rng = np.random.default_rng(seed)
-    model.set_weights([rng.normal(scale=0.2, size=w.shape).astype(w.dtype) if w.dtype.kind == "f" else w
-                       for w in model.get_weights()])
+    trainable = {id(v) for v in model.trainable_weights}
+    model.set_weights([rng.normal(scale=0.2, size=w.shape).astype(w.dtype) if id(v) in trainable else w
+                       for v, w in zip(model.weights, model.get_weights())])
 
 
 def dict_inputs_auc(scope, batch):
@@ -134,5 +139,97 @@ def text_vectorization(scope, batch):
     return model
 
 
-PROGRAMS = {f.__name__: f for f in (dict_inputs_auc, tf_data_unknown_cardinality, weighted_samples,
-                                    mask_zero_lstm_callbacks, custom_train_step, text_vectorization)}
+def lookup_layers(scope, batch):
+    """StringLookup, IntegerLookup, Hashing (each feeding a table), Normalization and Discretization, adapted."""
+    rng = np.random.default_rng(7)
+    colors = rng.choice(np.array(["red", "green", "blue", "cyan"]), size=(ROWS, 1))
+    codes = rng.choice(np.array([3, 7, 11, 19, 23]), size=(ROWS, 1)).astype(np.int64)
+    amount = rng.gamma(2.0, size=(ROWS, 1)).astype(np.float32)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    with scope():
+        string_lookup, integer_lookup = tf.keras.layers.StringLookup(), tf.keras.layers.IntegerLookup()
+        normalization = tf.keras.layers.Normalization()
+        discretization = tf.keras.layers.Discretization(num_bins=4)
+        string_lookup.adapt(colors)
+        integer_lookup.adapt(codes)
+        normalization.adapt(amount)
+        discretization.adapt(amount)
+        inputs = [tf.keras.Input((1,), dtype=tf.string), tf.keras.Input((1,), dtype=tf.int64), tf.keras.Input((1,))]
+        parts = [tf.keras.layers.Flatten()(tf.keras.layers.Embedding(8, 3)(string_lookup(inputs[0]))),
+                 tf.keras.layers.Flatten()(tf.keras.layers.Embedding(8, 3)(integer_lookup(inputs[1]))),
+                 tf.keras.layers.Flatten()(tf.keras.layers.Embedding(5, 3)(tf.keras.layers.Hashing(5)(inputs[0]))),
+                 tf.keras.layers.Flatten()(tf.keras.layers.Embedding(4, 3)(discretization(inputs[2]))),
+                 normalization(inputs[2])]
+        model = tf.keras.Model(inputs, tf.keras.layers.Dense(1)(tf.keras.layers.Concatenate()(parts)))
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="mse")
+        model.fit([colors, codes, amount], y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+    return model
+
+
+def shared_layer(scope, batch):
+    """Two models in one scope sharing an Embedding layer, trained one after the other."""
+    ids, rng = _ids(8)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    with scope():
+        shared = tf.keras.layers.Embedding(VOCAB, EMB)
+        models = []
+        for _ in range(2):
+            inputs = tf.keras.Input((LEN,), dtype=tf.int32)
+            models.append(tf.keras.Model(inputs, tf.keras.layers.Dense(1)(tf.keras.layers.Flatten()(shared(inputs)))))
+        _init(models[0])
+        _init(models[1], seed=22)
+        for model in models:
+            model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss="mse")
+            model.fit(ids, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    return models[1]
+
+
+def keras_callbacks(scope, batch):
+    """ModelCheckpoint (h5 weights-only and full TF format), CSVLogger, TensorBoard with histograms and
+    BackupAndRestore around an ordinary fit: training is unchanged and the files load."""
+    ids, rng = _ids(9)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    directory = tempfile.mkdtemp(prefix="kp_callbacks_")
+    with scope():
+        model = tf.keras.Sequential([tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB),
+                                     tf.keras.layers.Flatten(), tf.keras.layers.Dense(1)])
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="mse")
+        model.fit(ids, y, batch_size=batch, epochs=2, shuffle=False, verbose=0, callbacks=[
+            tf.keras.callbacks.ModelCheckpoint(os.path.join(directory, "w.h5"), save_weights_only=True),
+            tf.keras.callbacks.ModelCheckpoint(os.path.join(directory, "full_tf"), save_format="tf"),
+            tf.keras.callbacks.CSVLogger(os.path.join(directory, "log.csv")),
+            tf.keras.callbacks.TensorBoard(os.path.join(directory, "tb"), histogram_freq=1),
+            tf.keras.callbacks.BackupAndRestore(os.path.join(directory, "backup"))])
+    if os.path.exists(os.path.join(directory, "w.h5")):  # worker 0 (or the plain process) wrote them
+        with scope():
+            again = tf.keras.models.clone_model(model)
+        again.load_weights(os.path.join(directory, "w.h5"))
+        for a, b in zip(again.get_weights(), model.get_weights()):
+            np.testing.assert_array_equal(a, b)
+        assert len(open(os.path.join(directory, "log.csv"), encoding="utf-8").read().splitlines()) == 3
+    return model
+
+
+def mixed_float16(scope, batch):
+    """The mixed_float16 policy (float16 compute, float32 variables, Keras' loss-scale optimizer)."""
+    ids, rng = _ids(10)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    tf.keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        with scope():
+            model = tf.keras.Sequential([tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB),
+                                         tf.keras.layers.Flatten(), tf.keras.layers.Dense(4, activation="relu"),
+                                         tf.keras.layers.Dense(1, dtype="float32")])
+            _init(model)
+            model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="mse")
+            model.fit(ids, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+    finally:
+        tf.keras.mixed_precision.set_global_policy("float32")
+    return model
+
+
+PROGRAMS = {f.__name__: f for f in (mixed_float16, dict_inputs_auc, tf_data_unknown_cardinality, weighted_samples,
+                                    mask_zero_lstm_callbacks, custom_train_step, text_vectorization, lookup_layers,
+                                    shared_layer, keras_callbacks)}

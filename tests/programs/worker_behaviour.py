@@ -1,4 +1,4 @@
-"""Worker program for launcher tests. Usage: worker_behaviour.py MODE (fail_rank1 | same_index | ok)"""
+"""Worker program for launcher tests. Usage: worker_behaviour.py MODE (fail_rank1 | same_index | ok | compile_outside)"""
 
 import os
 import sys
@@ -18,3 +18,14 @@ except (ValueError, ConnectionError) as e:
     print(f"kparallax error: {e}", file=sys.stderr, flush=True)
     sys.exit(2)
 print(f"worker {strategy.worker_index} of {strategy.num_workers} ok", flush=True)
+if mode == "compile_outside":
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")  # outside strategy.scope()
+    try:
+        model.fit(np.zeros((8, 3)), np.zeros((8, 1)), verbose=0)
+    except ValueError as e:
+        print(f"refused: {e}", flush=True)
+    else:
+        sys.exit("fit of a model compiled outside the scope trained silently")
