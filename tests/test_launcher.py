@@ -185,3 +185,11 @@ def test_fit_of_a_model_compiled_outside_the_scope_is_refused_in_a_multi_worker_
     for name in ("worker-0.log", "worker-1.log"):
         assert "refused: Model" in run.logs()[name] and "compiled outside HybridStrategy.scope() in a job of 2 " \
             "workers" in run.logs()[name], run.report()
+
+
+@pytest.mark.multiprocess
+def test_workers_whose_optimizers_are_at_different_steps_stop_with_an_error(tmp_path):
+    run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "worker_behaviour.py"), "skew_steps"],
+                            log_dir=str(tmp_path), workers=2, ps=1, timeout=120)
+    assert run.returncode != 0, run.report()
+    assert "The workers' optimizers are at different steps" in run.output, run.report()

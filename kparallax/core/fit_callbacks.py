@@ -55,6 +55,11 @@ class AverageMetrics(tf.keras.callbacks.Callback):
 
     With ``sync=False`` (asynchronous PS) only epoch logs are averaged: a per-batch collective would put the
     workers back in lock-step; the per-batch progress then shows worker 0's own values.
+
+    The same collective checks that every worker's optimizer made the same number of steps (it carries the
+    iteration count and its square: equal means have zero variance). Keras' loss-scale optimizer (mixed_float16)
+    skips a step by a decision each worker takes alone; a step skipped on some workers only would pair later
+    collectives across different steps, so ``fit`` stops with an error instead.
     """
 
     def __init__(self, strategy):
@@ -63,14 +68,20 @@ class AverageMetrics(tf.keras.callbacks.Callback):
         self._per_batch = strategy.options.sync
 
     def _average(self, logs, tag):
-        if self._strategy.num_workers == 1 or not logs:
+        if self._strategy.num_workers == 1 or logs is None:
             return
         keys = sorted(k for k, v in logs.items() if isinstance(v, (int, float, np.number, np.ndarray)))
-        if not keys:
-            return
-        values = hvd.allreduce(tf.constant([float(logs[k]) for k in keys], tf.float64), op=hvd.Average,
-                               name=f"kp_metrics_{tag}")
-        for key, value in zip(keys, values.numpy()):
+        steps = float(self.model.optimizer.iterations.numpy())
+        values = hvd.allreduce(tf.constant([float(logs[k]) for k in keys] + [steps, steps * steps], tf.float64),
+                               op=hvd.Average, name=f"kp_metrics_{tag}").numpy()
+        mean, mean_square = values[-2], values[-1]
+        if mean_square - mean * mean > 1e-6:
+            raise RuntimeError(
+                f"The workers' optimizers are at different steps (this worker at {int(steps)}, mean {mean:.2f}): a "
+                "step was applied on some workers only, e.g. a mixed_float16 loss-scale skip decided by one worker. "
+                "Training stopped before the workers' collectives went out of step. Received: iterations="
+                f"{int(steps)}.")
+        for key, value in zip(keys, values[:-2]):
             logs[key] = float(value)
 
     def on_train_batch_end(self, batch, logs=None):

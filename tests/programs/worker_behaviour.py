@@ -1,4 +1,4 @@
-"""Worker program for launcher tests. Usage: worker_behaviour.py MODE (fail_rank1 | same_index | ok | compile_outside)"""
+"""Worker program for launcher tests. Usage: worker_behaviour.py MODE (fail_rank1 | same_index | ok | compile_outside | skew_steps)"""
 
 import os
 import sys
@@ -29,3 +29,16 @@ if mode == "compile_outside":
         print(f"refused: {e}", flush=True)
     else:
         sys.exit("fit of a model compiled outside the scope trained silently")
+if mode == "skew_steps":  # worker 1's optimizer makes one extra step, as a loss-scale skip on worker 0 would
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    class Skew(tf.keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2 and strategy.worker_index == 1:
+                self.model.optimizer.iterations.assign_add(1)
+
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    model.fit(np.zeros((64, 3)), np.zeros((64, 1)), batch_size=4, verbose=0, callbacks=[Skew()])
