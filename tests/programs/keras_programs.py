@@ -57,6 +57,20 @@ def tf_data_unknown_cardinality(scope, batch):
     return model
 
 
+def tf_data_known_cardinality(scope, batch):
+    """A batched tf.data pipeline of known length, with per-sample weights in the dataset."""
+    ids, rng = _ids(11)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    weights = rng.uniform(0.5, 2.0, size=(ROWS,)).astype(np.float32)
+    with scope():
+        model = tf.keras.Sequential([tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB),
+                                     tf.keras.layers.Flatten(), tf.keras.layers.Dense(1)])
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.Adagrad(0.3), loss="mse")
+        model.fit(tf.data.Dataset.from_tensor_slices((ids, y, weights)).batch(batch), epochs=2, verbose=0)
+    return model
+
+
 def weighted_samples(scope, batch):
     """class_weight on a classifier, with a regularized table."""
     ids, rng = _ids(3)
@@ -232,4 +246,4 @@ def mixed_float16(scope, batch):
 
 PROGRAMS = {f.__name__: f for f in (mixed_float16, dict_inputs_auc, tf_data_unknown_cardinality, weighted_samples,
                                     mask_zero_lstm_callbacks, custom_train_step, text_vectorization, lookup_layers,
-                                    shared_layer, keras_callbacks)}
+                                    shared_layer, keras_callbacks, tf_data_known_cardinality)}
