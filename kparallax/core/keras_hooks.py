@@ -1,9 +1,11 @@
 """Keras under a HybridStrategy: hooks bound per model instance when it is compiled inside ``scope()``.
 
 Process-wide, only ``tf.keras.Model.compile`` is wrapped (``install()``, once): outside any scope it calls Keras
-unchanged. Compiled inside a scope, the model gets its own ``fit``, ``evaluate``, ``predict``, ``get_weights`` and
-``set_weights`` (instance attributes bound to this model; every other model keeps Keras' methods), and a layer
-that holds a PS variable gets its own ``get_weights``/``set_weights`` when the variable is created.
+unchanged (in a multi-worker job, that model's ``fit`` is refused: each worker would train alone). Compiled inside a
+scope, the model gets its own ``fit``, ``evaluate``, ``predict``, ``get_weights``, ``set_weights``,
+``make_train_function`` (``steps_per_execution``) and the savers of ``saving.py`` (instance attributes bound to this
+model; every other model keeps Keras' methods), and a layer that holds a PS variable gets its own
+``get_weights``/``set_weights`` when the variable is created.
 
 Under a strategy:
   * ``compile`` wraps the optimizer (``kparallax.step``); ``jit_compile=True`` is refused.
