@@ -7,6 +7,7 @@ single process, side by side.
     .venv/bin/python scripts/benchmark.py --model lm1b_small --workers 4 --emulate-network 1gbit --json slow.json
 
 Variants run one at a time, alternating (A B C ... A B C ...), each a fresh job: kparallax-hybrid,
+kparallax-hybrid-async (the same with sync=False: PS updates applied on arrival, as tf-pss does),
 kparallax-allreduce (allgather of sparse gradients), kparallax-allreduce-dense, kparallax-ps (under kparallax-run),
 horovod and horovod-dense (plain Horovod Keras: hvd.DistributedOptimizer + BroadcastGlobalVariablesCallback, no
 kparallax code, started with Horovod's Gloo rendezvous), tf-pss (TensorFlow ParameterServerStrategy with Model.fit:
@@ -41,11 +42,12 @@ import time
 import portpicker
 
 from kparallax.cluster import coordinator as rendezvous
+from kparallax_bench import cpu
 from kparallax_bench import netem
 from kparallax_bench import traffic
 
 WORKER = ["-m", "kparallax_bench.worker"]
-VARIANTS = ["kparallax-hybrid", "kparallax-allreduce", "kparallax-allreduce-dense", "kparallax-ps", "horovod",
+VARIANTS = ["kparallax-hybrid", "kparallax-hybrid-async", "kparallax-allreduce", "kparallax-allreduce-dense", "kparallax-ps", "horovod",
             "horovod-dense", "tf-pss", "single"]
 
 
@@ -96,7 +98,7 @@ def _bench(variant, args, out):
 
 
 def _needs_ps(variant):
-    return variant in ("kparallax-hybrid", "kparallax-ps", "tf-pss")
+    return variant in ("kparallax-hybrid", "kparallax-hybrid-async", "kparallax-ps", "tf-pss")
 
 
 def plan(variant, workers, args, hosts, out, tmp):
@@ -205,7 +207,7 @@ class Marks:
 
     def __init__(self, path, hosts):
         os.mkfifo(path)
-        self.path, self._hosts, self.seen = path, hosts, {}
+        self.path, self._hosts, self.seen, self.cpu = path, hosts, {}, {}
         self._fd = os.open(path, os.O_RDWR)  # never EOF: writers come and go
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -219,9 +221,14 @@ class Marks:
             *lines, pending = pending.split(b"\n")
             for line in lines:
                 self.seen[line.decode()] = self._hosts.sent_bytes()
+                self.cpu[line.decode()] = cpu.snapshot()
 
     def reset(self):
-        self.seen = {}
+        self.seen, self.cpu = {}, {}
+
+    def cpu_seconds(self):
+        """CPU-seconds by role between the last start and stop marks (``cpu.diff``), or {}."""
+        return cpu.diff(self.cpu.get("start"), self.cpu.get("stop"))
 
     def measured(self):
         """Bytes sent between the last start and stop marks, or None when the run did not mark both."""
@@ -258,6 +265,7 @@ def run_once(variant, workers, args, hosts, marks, tmp):
     result["sent_bytes"] = marks.measured()
     if result["sent_bytes"] is None:
         raise RuntimeError(f"{variant}@{workers} did not mark its timed steps")
+    result["cpu_seconds"] = marks.cpu_seconds()
     result["wall_seconds"] = time.monotonic() - started
     return result
 
@@ -300,23 +308,33 @@ def summarize(runs, variant, workers):
     medians = [statistics.median(r["step_seconds"]) for r in runs]
     per_second = [first["shape"]["items_per_step"] * workers / m for m in medians]
     measured = [r["sent_bytes"] / r["timed_steps"] / workers for r in runs]
+    roles = sorted({k for r in runs for k in r.get("cpu_seconds", {})})
+    cpu_per_step = {k: statistics.median(r["cpu_seconds"].get(k, 0.0) / r["timed_steps"] for r in runs) for k in roles}
     return {"variant": variant, "workers": workers, "unit": first["shape"]["unit"] + "/s",
             "throughput": statistics.median(per_second), "throughput_min": min(per_second),
             "throughput_max": max(per_second), "ms_per_step": 1000 * statistics.median(medians),
             "bytes_per_step": statistics.median(measured), "floor_bytes_per_step": traffic.floor_bytes(first["shape"], variant, workers),
-            "repeats": len(runs), "shape": first["shape"]}
+            "cpu_seconds_per_step": cpu_per_step, "repeats": len(runs), "shape": first["shape"]}
 
 
 def markdown(results, model):
     lines = [f"| variant | workers | throughput ({next(iter(results.values()))['unit']}) [min-max] | ms/step | "
-             "bytes/step/worker (measured) | floor | measured/floor |", "|---|---|---|---|---|---|---|"]
+             "bytes/step/worker (measured) | floor | measured/floor | CPU-s/step: workers+chief / PS / kernel / all |",
+             "|---|---|---|---|---|---|---|---|"]
     for entry in results.values():
         ratio = entry["bytes_per_step"] / entry["floor_bytes_per_step"] if entry["floor_bytes_per_step"] else float("nan")
         lines.append(f"| {entry['variant']} | {entry['workers']} | {entry['throughput']:.0f} "
                      f"[{entry['throughput_min']:.0f}-{entry['throughput_max']:.0f}] | {entry['ms_per_step']:.1f} | "
                      f"{entry['bytes_per_step'] / 1e6:.2f} MB | {entry['floor_bytes_per_step'] / 1e6:.2f} MB | "
-                     f"{ratio:.2f} |")
+                     f"{ratio:.2f} | {_cpu_cell(entry.get('cpu_seconds_per_step', {}))} |")
     return f"Model {model}\n\n" + "\n".join(lines)
+
+
+def _cpu_cell(seconds):
+    if not seconds:
+        return "-"
+    return (f"{seconds['worker'] + seconds['chief']:.2f} / {seconds['ps']:.2f} / {seconds['kernel']:.2f} / "
+            f"{seconds['total']:.2f}")
 
 
 def chart(results, path):

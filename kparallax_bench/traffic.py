@@ -11,6 +11,7 @@ scripts/benchmark.py and scripts/project_scaling.py share these formulas.
 import numpy as np
 
 PS_VARIANTS = ("kparallax-ps", "tf-pss")
+HYBRID_VARIANTS = ("kparallax-hybrid", "kparallax-hybrid-async")  # same bytes per step; async only reorders them
 GATHER_VARIANTS = ("kparallax-allreduce", "horovod")
 DENSE_VARIANTS = ("kparallax-allreduce-dense", "horovod-dense")
 
@@ -63,7 +64,7 @@ def floor_bytes(shape, variant, n):
     if "table_bytes" not in shape:  # a dense model: every variant moves the dense gradient once
         return 2 * dense if variant in PS_VARIANTS else ring(dense, n)
     rows, ids = sparse_rows_bytes(shape), sparse_ids_bytes(shape)
-    if variant == "kparallax-hybrid":
+    if variant in HYBRID_VARIANTS:
         return 2 * rows + ids + ring(dense, n)
     if variant in PS_VARIANTS:
         return 2 * rows + ids + 2 * dense
@@ -74,9 +75,14 @@ def floor_bytes(shape, variant, n):
 
 def link_bytes(shape, variant, n, per_machine, ps_machines):
     """Bytes crossing the busiest machine link in one direction per step, ``n`` workers on machines of
-    ``per_machine`` workers, PS tasks spread over ``ps_machines`` machines (flat ring collectives in rank order:
-    every ring edge carries the same volume and each machine has one outgoing inter-machine edge; traffic inside a
-    machine is free)."""
+    ``per_machine`` workers, PS tasks spread over ``ps_machines`` of those machines (flat ring collectives in rank
+    order: every ring edge carries the same volume and each machine has one outgoing inter-machine edge; traffic
+    inside a machine is free).
+
+    A machine holding a PS task sends, in one direction over a step, both its workers' pushes to the other PS
+    machines and its PS task's answers to the pulls of workers elsewhere (the pull and push phases of a step use
+    the same direction of the link one after the other).
+    """
     machines = max(n // per_machine, 1)
     if machines == 1 or variant == "single":
         return 0.0
@@ -89,9 +95,11 @@ def link_bytes(shape, variant, n, per_machine, ps_machines):
     one_way = (sparse_rows_bytes(shape) + sparse_ids_bytes(shape)) if tables else 0.0
     if variant in PS_VARIANTS:
         one_way += dense
-    ps_side = (n - per_machine) * one_way / ps_machines        # what a PS machine receives from other machines
-    worker_side = per_machine * one_way * (1 - 1 / machines if ps_machines == machines else 1)
-    return max(ps_side, worker_side) + (ring(dense, n) if variant == "kparallax-hybrid" else 0.0)
+    ps_machines = min(ps_machines, machines)
+    answers = (n - per_machine) * one_way / ps_machines                    # to the workers of other machines
+    pushes = per_machine * one_way * (ps_machines - 1) / ps_machines       # to the other PS machines
+    no_ps_machine = per_machine * one_way if ps_machines < machines else 0.0
+    return max(answers + pushes, no_ps_machine) + (ring(dense, n) if variant in HYBRID_VARIANTS else 0.0)
 
 
 def rounds(variant, n):
@@ -101,7 +109,7 @@ def rounds(variant, n):
     if variant in PS_VARIANTS:
         return 2                              # pull, push
     ring_allreduce = 2 * (n - 1)
-    if variant == "kparallax-hybrid":
+    if variant in HYBRID_VARIANTS:
         return 2 + ring_allreduce
     if variant in GATHER_VARIANTS:
         return ring_allreduce + (n - 1)       # plus the ring allgather

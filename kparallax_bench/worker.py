@@ -2,7 +2,7 @@
 
     python -m kparallax_bench.worker --variant V --model M --steps S --warmup W --batch_size B --out FILE [--partitions P]
 
-Variants: kparallax-hybrid / -allreduce / -allreduce-dense / -ps (kparallax under kparallax-run), horovod /
+Variants: kparallax-hybrid / -hybrid-async / -allreduce / -allreduce-dense / -ps (kparallax under kparallax-run), horovod /
 horovod-dense (plain Horovod Keras: hvd.DistributedOptimizer + BroadcastGlobalVariablesCallback; kparallax is never
 imported), tf-pss (TensorFlow ParameterServerStrategy + Model.fit; this process is the chief, a worker server or a PS
 server, as TF_CONFIG says), single (one plain process). Synthetic data. Worker 0 (the chief for tf-pss) writes
@@ -147,11 +147,11 @@ def main():
         rank = 0
     elif variant.startswith("kparallax-"):
         import kparallax as kp
-        architecture = {"kparallax-hybrid": "hybrid", "kparallax-allreduce": "allreduce",
+        architecture = {"kparallax-hybrid": "hybrid", "kparallax-hybrid-async": "hybrid", "kparallax-allreduce": "allreduce",
                         "kparallax-allreduce-dense": "allreduce", "kparallax-ps": "ps"}[variant]
         strategy = kp.HybridStrategy(kp.Cluster.from_env(), architecture=architecture,
                                      sparse_as_dense=variant == "kparallax-allreduce-dense",
-                                     partitions=args.partitions)
+                                     partitions=args.partitions, sync=variant != "kparallax-hybrid-async")
         workers, rank = strategy.num_workers, strategy.worker_index
         timer = step_timer(args.warmup, rank)
         make_model, make_optimizer, loss, data, info = build(args.model, args.batch_size, workers, rank)

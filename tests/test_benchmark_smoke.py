@@ -19,7 +19,7 @@ def test_benchmark_runs_every_variant_and_reports_bytes(tmp_path):
                            str(tmp_path / "bench.png")], capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())["variants"]
-    expected = {f"{v}@{n}" for n in (1, 2) for v in ("kparallax-hybrid", "kparallax-allreduce",
+    expected = {f"{v}@{n}" for n in (1, 2) for v in ("kparallax-hybrid", "kparallax-hybrid-async", "kparallax-allreduce",
                                                       "kparallax-allreduce-dense", "kparallax-ps", "horovod",
                                                       "horovod-dense", "tf-pss")} | {"single@1"}
     assert set(report) == expected
@@ -28,6 +28,9 @@ def test_benchmark_runs_every_variant_and_reports_bytes(tmp_path):
                       "floor_bytes_per_step"):
             assert entry[field] >= 0, (key, field)
         assert entry["throughput"] > 0
+        cpu = entry["cpu_seconds_per_step"]      # the profile by role, from /proc at the marks
+        assert set(cpu) >= {"worker", "chief", "ps", "kernel", "total"} and min(cpu.values()) >= 0, (key, cpu)
+    assert sum(e["cpu_seconds_per_step"]["worker"] for e in report.values()) > 0
     assert report["horovod@2"]["bytes_per_step"] > 0 and report["kparallax-hybrid@2"]["bytes_per_step"] > 0
     assert (tmp_path / "bench.png").stat().st_size > 1000 and "| kparallax-hybrid | 2 |" in (tmp_path / "bench.md").read_text()
 

@@ -21,7 +21,8 @@ def _trainable(model):
     return sum(int(np.prod(w.shape)) for w in model.trainable_weights)
 
 
-@pytest.mark.parametrize("name, expected", [("lm1b_tiny", 148688), ("lm1b_small", 52481696)])
+@pytest.mark.parametrize("name, expected", [("lm1b_tiny", 148688), ("lm1b_small", 52481696),
+                                                   ("lm1b_sparse", 102795168)])
 def test_lm1b_parameter_counts_and_config_round_trip(name, expected):
     model = lm1b.LM1B(lm1b.preset(name))
     assert _trainable(model) == expected == _lm1b_params(model.config)
@@ -134,7 +135,7 @@ def test_presets_are_the_json_files_in_configs(tmp_path):
     custom = tmp_path / "mine.json"
     custom.write_text('{"model": "lm1b", "vocab_size": 500, "num_sampled": 50}')
     assert lm1b.preset(str(custom)).vocab_size == 500
-    with pytest.raises(ValueError, match=r"Unknown lm1b preset 'lm2b'; choose one of \['lm1b', 'lm1b_small', 'lm1b_tiny'\]"):
+    with pytest.raises(ValueError, match=r"Unknown lm1b preset 'lm2b'; choose one of \['lm1b', 'lm1b_small', 'lm1b_sparse', 'lm1b_tiny'\]"):
         lm1b.preset("lm2b")
     with pytest.raises(ValueError, match=r"is not a resnet config"):
         resnet.preset(str(custom))
