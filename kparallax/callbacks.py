@@ -57,8 +57,9 @@ def sent_bytes(model):
 
 
 class StepLogger(tf.keras.callbacks.Callback):
-    """Every ``every`` steps, adds ``<unit>_per_sec`` (global, over the last ``every`` steps) to the batch logs and
-    prints ``step N: loss ... perplexity ... <unit>/s ...`` on the chief.
+    """Each time the optimizer's step passes a multiple of ``every``, adds ``<unit>_per_sec`` (global, since the
+    last report) to the batch logs and prints ``step N: loss ... perplexity ... <unit>/s ...`` on the chief. Steps
+    are the optimizer's, so a run resumed from a checkpoint numbers them as the unbroken run did.
 
     Args:
       every: steps between reports.
@@ -72,21 +73,21 @@ class StepLogger(tf.keras.callbacks.Callback):
         if every < 1:
             raise ValueError(f"every must be >= 1. Received: every={every}.")
         self._every, self._global_batch, self._unit, self._chief = every, global_batch_size, unit, is_chief
-        self._step, self._mark = 0, None
+        self._mark = None  # (time, optimizer step) of the last report
 
     def on_train_begin(self, logs=None):
-        self._mark = time.perf_counter()
+        self._mark = (time.perf_counter(), int(self.model.optimizer.iterations.numpy()))
 
     def on_train_batch_end(self, batch, logs=None):
-        self._step += 1
-        if self._step % self._every or logs is None:
+        step = int(self.model.optimizer.iterations.numpy())  # so that a resumed run numbers its steps as before
+        if step // self._every == self._mark[1] // self._every or logs is None:
             return
         now = time.perf_counter()
-        logs[f"{self._unit}_per_sec"] = self._every * self._global_batch / (now - self._mark)
-        self._mark = now
+        logs[f"{self._unit}_per_sec"] = (step - self._mark[1]) * self._global_batch / (now - self._mark[0])
+        self._mark = (now, step)
         if self._chief:
             shown = " ".join(f"{k} {v:.4g}" for k, v in logs.items() if isinstance(v, (int, float)))
-            print(f"step {self._step}: {shown}", flush=True)
+            print(f"step {step}: {shown}", flush=True)
 
 
 class LearningRateWarmup(tf.keras.callbacks.Callback):
@@ -109,7 +110,8 @@ class LearningRateWarmup(tf.keras.callbacks.Callback):
 
 
 class TensorBoardScalars(tf.keras.callbacks.Callback):
-    """Writes scalars to TensorBoard event files on the chief only, every ``every`` steps: the numeric batch logs
+    """Writes scalars to TensorBoard event files on the chief only, each time the optimizer's step passes a multiple
+    of ``every`` (a resumed run continues the same curves): the numeric batch logs
     (loss, perplexity, throughput, ...), ``learning_rate``, and ``bytes_per_step/dense`` and
     ``bytes_per_step/sparse`` (what this worker sent per step since the last write: allreduce payload, PS pushes).
 
@@ -122,25 +124,28 @@ class TensorBoardScalars(tf.keras.callbacks.Callback):
     def __init__(self, log_dir, every=10, is_chief=True):
         super().__init__()
         self._log_dir, self._every, self._chief = log_dir, every, is_chief
-        self._writer, self._step, self._last = None, 0, (0, 0)
+        self._writer, self._last = None, (0, 0, 0)  # (optimizer step, dense bytes, sparse bytes) at the last write
 
     def on_train_begin(self, logs=None):
         if self._chief and self._writer is None:
             self._writer = tf.summary.create_file_writer(self._log_dir)
+        dense, sparse = sent_bytes(self.model)
+        self._last = (int(self.model.optimizer.iterations.numpy()), dense, sparse)
 
     def on_train_batch_end(self, batch, logs=None):
-        self._step += 1
-        if not self._chief or self._step % self._every:
+        step = int(self.model.optimizer.iterations.numpy())  # a resumed run continues the same curves
+        if not self._chief or step // self._every == self._last[0] // self._every:
             return
         dense, sparse = sent_bytes(self.model)
-        with self._writer.as_default(step=self._step):
+        steps = step - self._last[0]
+        with self._writer.as_default(step=step):
             for key, value in (logs or {}).items():
                 if isinstance(value, (int, float, np.number)):
                     tf.summary.scalar(key, float(value))
             tf.summary.scalar("learning_rate", _learning_rate(self.model.optimizer))
-            tf.summary.scalar("bytes_per_step/dense", (dense - self._last[0]) / self._every)
-            tf.summary.scalar("bytes_per_step/sparse", (sparse - self._last[1]) / self._every)
-        self._last = (dense, sparse)
+            tf.summary.scalar("bytes_per_step/dense", (dense - self._last[1]) / steps)
+            tf.summary.scalar("bytes_per_step/sparse", (sparse - self._last[2]) / steps)
+        self._last = (step, dense, sparse)
         self._writer.flush()
 
     def on_train_end(self, logs=None):
@@ -151,6 +156,12 @@ class TensorBoardScalars(tf.keras.callbacks.Callback):
 class Checkpoint(tf.keras.callbacks.Callback):
     """Worker 0 writes an atomic checkpoint of everything (``kparallax.checkpoint``) every ``every_steps``
     optimizer steps and at the end of training, keeping the ``keep`` newest.
+
+    Give it to ``fit`` on every worker: each checkpoint also holds every worker's metric variables (gathered by a
+    small collective), so that after ``kparallax.checkpoint.restore(..., continue_fit=True)`` the next ``fit``
+    continues at the saved epoch and step with the metric averages as they were. What else decides the next step must follow from the step too:
+    the data (e.g. ``dataset.repeat().skip(step)`` with a seeded shuffle) and the randomness of training (stateless
+    ops seeded by the step, as ``kparallax_models.lm1b`` does); then the resumed run is bit-identical.
 
     Args:
       strategy: the ``HybridStrategy``.
@@ -170,11 +181,16 @@ class Checkpoint(tf.keras.callbacks.Callback):
         self.bad_loss_step = None  # set when training stopped on a NaN/Inf loss
 
     def _save(self):
+        """Called on every worker at the same steps: the metric states are gathered from all of them."""
         from kparallax import checkpoint  # pylint: disable=import-outside-toplevel
+        from kparallax.core import resume  # pylint: disable=import-outside-toplevel
         step = int(self.model.optimizer.iterations.numpy())
         if step != self._last:
-            checkpoint.save(self._strategy, self.model, self._directory,
-                            extra=self._extra() if self._extra else None, keep=self._keep)
+            metric_states = resume.gather_metric_states(self._strategy, self.model)
+            if self._strategy.is_chief:
+                checkpoint.save(self._strategy, self.model, self._directory,
+                                extra=self._extra() if self._extra else None, keep=self._keep,
+                                metric_states=metric_states)
             self._last = step
 
     def on_train_batch_end(self, batch, logs=None):
@@ -188,11 +204,11 @@ class Checkpoint(tf.keras.callbacks.Callback):
                 print(f"loss is {loss} at step {self.bad_loss_step}: training stopped; the last good checkpoint "
                       f"is kept: {checkpoint.latest(self._directory)}", flush=True)
             return
-        if self._strategy.is_chief and int(self.model.optimizer.iterations.numpy()) % self._every == 0:
+        if int(self.model.optimizer.iterations.numpy()) % self._every == 0:
             self._save()
 
     def on_train_end(self, logs=None):
-        if self._strategy.is_chief and self.bad_loss_step is None:
+        if self.bad_loss_step is None:
             self._save()
 
 

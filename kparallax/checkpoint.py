@@ -4,12 +4,15 @@ A checkpoint holds the model's weights (PS tables whole, whatever their partitio
 Keras trains with (replicated: slots and ``iterations``), the state of every PS-side optimizer clone (slots of each
 table, joined over shards), the step, and what the caller adds (epoch, data position, ...). Worker 0 writes it into
 a temporary directory, fsyncs, renames it to ``DIR/ckpt-<step>`` and then atomically replaces ``DIR/checkpoint.json``
-(the pointer to the latest): a crash at any moment leaves the previous checkpoint intact and pointed to.
+(the pointer to the latest): a crash at any moment leaves the previous checkpoint intact and pointed to. With
+``metric_states`` (what ``kp.callbacks.Checkpoint`` passes) it also holds every worker's metric variables.
 
 Restoring is a collective: every worker reads the files (``DIR`` must be visible to all workers) and sets its
 replicated weights and optimizer state; worker 0 alone writes the PS tables and PS-side slots; a barrier then
 ensures nobody trains before the PS holds the restored values. Because tables and slots are stored whole, a run
-may resume with a different number of PS tasks or partitions.
+may resume with a different number of PS tasks or partitions. With ``continue_fit=True``, the next ``fit`` of the
+restored model starts at the checkpoint's epoch and step within it, with each worker's metric averages as they were
+(``core/resume.py``).
 """
 
 import json
@@ -23,6 +26,7 @@ from kparallax import log as logging
 from kparallax._compat import keras as keras_compat
 from kparallax._compat import tf as tf_compat
 from kparallax.core import keras_hooks
+from kparallax.core import resume
 from kparallax.step import collectives
 
 POINTER = "checkpoint.json"
@@ -67,8 +71,12 @@ def _ps_groups(strategy, model):
     return groups
 
 
-def save(strategy, model, directory, extra=None, keep=3):
-    """Writes ``DIR/ckpt-<step>`` atomically and points ``DIR/checkpoint.json`` at it. Call on worker 0 only."""
+def save(strategy, model, directory, extra=None, keep=3, metric_states=None):
+    """Writes ``DIR/ckpt-<step>`` atomically and points ``DIR/checkpoint.json`` at it. Call on worker 0 only.
+
+    ``metric_states``: every worker's metrics as ``resume.gather_metric_states`` returns them (a collective the
+    caller runs on all workers), so that a resumed ``fit`` continues their averages; None: they restart.
+    """
     clones = _clones(model)
     tf_compat.async_wait()
     step = int(model.optimizer.iterations.numpy())
@@ -86,6 +94,8 @@ def save(strategy, model, directory, extra=None, keep=3):
         tables.append({"path": path, "variables": len(merged), "shards": len(shards)})
     meta = {"step": step, "extra": extra or {}, "num_weights": len(weights),
             "dense_optimizer_variables": len(dense_state), "tables": tables}
+    if metric_states is not None:
+        meta["metrics"], arrays["metric_states"] = metric_states
     os.makedirs(directory, exist_ok=True)
     final = os.path.join(directory, f"ckpt-{step}")
     tmp = os.path.join(directory, f".ckpt-{step}.tmp-{os.getpid()}")
@@ -134,11 +144,16 @@ def latest(directory):
     return path
 
 
-def restore(strategy, model, path):
+def restore(strategy, model, path, continue_fit=False):
     """Restores the checkpoint at ``path`` into ``model`` (a collective). Returns its ``extra`` dict and step.
 
     Every worker sets its replicated weights and optimizer state; only worker 0 reads the PS tables' arrays and
     writes them (and the PS-side optimizer state).
+
+    With ``continue_fit=True`` the next ``fit`` of ``model`` continues the interrupted one: it starts at the
+    checkpoint's epoch and step within that epoch (pass the same ``epochs`` and ``steps_per_epoch`` as before) and
+    with each worker's metric averages as they were. Without it, ``fit`` starts where its arguments say (e.g. a
+    program that passes only the remaining data).
     """
     clones = _clones(model)
     tf_compat.async_wait()  # every earlier write of this worker (e.g. set_weights) lands before worker 0 restores
@@ -180,6 +195,9 @@ def restore(strategy, model, path):
                                      f"this model does not have. Received: {path}.")
                 clones.set_state(ps_groups[table["path"]],
                                  [data[f"table_optimizer_{t}_{j}"] for j in range(table["variables"])])
+        if continue_fit:
+            keras_hooks.compiled(model).resume = resume.pending_from_checkpoint(
+                strategy, meta["step"], meta.get("metrics"), data["metric_states"] if "metrics" in meta else None)
     tf_compat.async_wait()
     collectives.eager_barrier(strategy.num_workers, name="kp_restored")
     logging.info("checkpoint: restored step %d from %s", meta["step"], path)

@@ -67,6 +67,10 @@ def parse(argv=None):
     parser.add_argument("--emulate-network", dest="emulate_network", default=None,
                         help="RATE per host link (1gbit, 100mbit, ...) or 'unlimited': one namespace per worker")
     parser.add_argument("--timeout", type=float, default=900.0, help="per run")
+    parser.add_argument("--profile", default=None,
+                        help="trace worker 0's timed steps with TensorFlow's profiler into DIR/<variant>@<workers>/ "
+                             "(summarize with python -m kparallax_bench.op_profile DIR); profiled runs are slower, "
+                             "so their throughput is not comparable with unprofiled ones")
     args = parser.parse_args(argv)
     if args.emulate_network:
         try:
@@ -246,7 +250,9 @@ def run_once(variant, workers, args, hosts, marks, tmp):
         for i, (host, argv, env, waited) in enumerate(plan(variant, workers, args, hosts, out, tmp)):
             log = open(f"{out}.{i}.log", "w", encoding="utf-8")  # pylint: disable=consider-using-with
             procs.append((subprocess.Popen(hosts.command(host, argv), stdout=log, stderr=subprocess.STDOUT,
-                                           env={**os.environ, **env, "KPBENCH_MARKS": marks.path}), waited, log))
+                                           env={**os.environ, **env, "KPBENCH_MARKS": marks.path,
+                                                **({"KPBENCH_PROFILE": os.path.abspath(args.profile)}
+                                                   if args.profile else {})}), waited, log))
             if env.get("TF_CONFIG") and not waited:  # servers first: the chief connects to all of them
                 _wait_listening(json.loads(env["TF_CONFIG"]), hosts, time.monotonic() + 120)
         problem = _wait(procs, time.monotonic() + args.timeout + 120)

@@ -46,7 +46,7 @@ def build(model_name, batch_size, workers, rank):
         x, y = traffic.lm1b_windows(config, seed=rank)
         data = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(config.batch_size, drop_remainder=True)
         info = traffic.lm1b_shape(config, x, y)
-        return (lambda: lm1b.LM1B(config)), (lambda: lm1b.make_optimizer(config)), None, data, info
+        return (lambda: lm1b.LM1B(config, stream=rank)), (lambda: lm1b.make_optimizer(config)), None, data, info
     config = resnet.preset(model_name, **({"batch_size": batch_size} if batch_size else {}))
     data = imagenet_data.synthetic(config.batch_size, config.image_size, config.num_classes, seed=rank)
     info = {"unit": "images", "items_per_step": config.batch_size}
@@ -54,19 +54,32 @@ def build(model_name, batch_size, workers, rank):
     return (lambda: resnet.build(config)), (lambda: resnet.make_optimizer(config, workers)), loss, data, info
 
 
-def step_timer(warmup, rank):
-    """A callback recording each step's seconds after ``warmup`` steps; rank 0 marks the timed window."""
+def profiling(label):
+    """Starts TensorFlow's profiler into ``$KPBENCH_PROFILE/<label>`` when that variable is set (benchmark.py
+    --profile); returns the function that stops it (a no-op otherwise)."""
+    directory = os.environ.get("KPBENCH_PROFILE")
+    if not directory:
+        return lambda: None
+    import tensorflow as tf
+    tf.profiler.experimental.start(os.path.join(directory, label))
+    return tf.profiler.experimental.stop
+
+
+def step_timer(warmup, rank, label="run"):
+    """A callback recording each step's seconds after ``warmup`` steps; rank 0 marks the timed window (and, with
+    $KPBENCH_PROFILE, traces it with TensorFlow's profiler)."""
     import tensorflow as tf
 
     class StepTimer(tf.keras.callbacks.Callback):
         def __init__(self):
             super().__init__()
-            self.times, self.last = [], None
+            self.times, self.last, self.stop_profile = [], None, None
 
         def on_train_batch_end(self, batch, logs=None):
             now = time.perf_counter()
             if batch + 1 == warmup and rank == 0:
                 mark("start")
+                self.stop_profile = profiling(label)
             if batch + 1 > warmup:
                 self.times.append(now - self.last)
             self.last = now
@@ -78,6 +91,8 @@ def step_timer(warmup, rank):
         def on_train_end(self, logs=None):
             if rank == 0:
                 mark("stop")
+                if self.stop_profile is not None:
+                    self.stop_profile()
     return StepTimer()
 
 
@@ -153,7 +168,7 @@ def main():
                                      sparse_as_dense=variant == "kparallax-allreduce-dense",
                                      partitions=args.partitions, sync=variant != "kparallax-hybrid-async")
         workers, rank = strategy.num_workers, strategy.worker_index
-        timer = step_timer(args.warmup, rank)
+        timer = step_timer(args.warmup, rank, f"{variant}@{workers}")
         make_model, make_optimizer, loss, data, info = build(args.model, args.batch_size, workers, rank)
         with strategy.scope():
             model = make_model()
@@ -164,7 +179,7 @@ def main():
         import horovod.tensorflow.keras as hvd
         hvd.init()
         workers, rank = hvd.size(), hvd.rank()
-        timer = step_timer(args.warmup, rank)
+        timer = step_timer(args.warmup, rank, f"{variant}@{workers}")
         make_model, make_optimizer, loss, data, info = build(args.model, args.batch_size, workers, rank)
         model = make_model()
         optimizer = hvd.DistributedOptimizer(make_optimizer(), sparse_as_dense=variant == "horovod-dense")
@@ -173,7 +188,7 @@ def main():
                   callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), timer])
     elif variant == "single":
         workers, rank = 1, 0
-        timer = step_timer(args.warmup, rank)
+        timer = step_timer(args.warmup, rank, f"{variant}@{workers}")
         make_model, make_optimizer, loss, data, info = build(args.model, args.batch_size, 1, 0)
         model = make_model()
         model.compile(optimizer=make_optimizer(), loss=loss)

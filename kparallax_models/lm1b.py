@@ -87,16 +87,62 @@ def _shards(table):
     return list(table.variables) if hasattr(table, "variables") and not isinstance(table, tf.Variable) else table
 
 
-def sampled_softmax_loss(weights, biases, targets, hidden, num_sampled, vocab_size):
-    """Mean sampled-softmax loss with a log-uniform (Zipf) sampler and accidental hits removed.
+def log_uniform_candidates(labels, num_sampled, vocab_size, seed):
+    """``num_sampled`` distinct ids drawn from the log-uniform (Zipf) distribution, as a function of ``seed`` only.
+
+    The same draws and expected counts as ``tf.random.log_uniform_candidate_sampler(..., unique=True)``: ids are
+    drawn with replacement (``floor(exp(u * log(V + 1))) - 1``) until ``num_sampled`` distinct ones are found, and
+    the expected count of an id of probability ``p`` after ``T`` draws is ``1 - (1 - p)^T`` (``p * T`` when no draw
+    repeated). TensorFlow's sampler is a stateful op whose position is lost when a process restarts; this one is
+    stateless, so a run resumed from a checkpoint draws exactly the candidates of the uninterrupted run.
+
+    Args:
+      labels: int64 [batch, 1] true ids.
+      num_sampled: distinct ids to draw (< ``vocab_size``).
+      vocab_size: ids are in ``[0, vocab_size)``.
+      seed: int64 [2] stateless seed.
+
+    Returns:
+      (sampled ids [num_sampled] int64, expected counts of ``labels`` [batch, 1], of the sampled ids [num_sampled]).
+    """
+    log_range = tf.math.log1p(tf.cast(vocab_size, tf.float64))
+    chunk = max(2 * num_sampled, 1024)
+
+    def draw(k):
+        u = tf.random.stateless_uniform([chunk], tf.random.experimental.stateless_fold_in(seed, k), dtype=tf.float64)
+        return tf.math.floormod(tf.cast(tf.exp(u * log_range), tf.int64) - 1, vocab_size)
+
+    def enough(k, draws):
+        del k
+        return tf.size(tf.unique(draws)[0]) < num_sampled
+
+    _, draws = tf.while_loop(enough, lambda k, d: (k + 1, tf.concat([d, draw(k)], 0)),
+                             (tf.constant(1, tf.int64), draw(tf.constant(0, tf.int64))),
+                             shape_invariants=(tf.TensorShape([]), tf.TensorShape([None])))
+    distinct, position = tf.unique(draws)
+    sampled = distinct[:num_sampled]
+    first_draw = tf.math.unsorted_segment_min(tf.range(tf.size(draws)), position, tf.size(distinct))
+    tries = tf.cast(first_draw[num_sampled - 1] + 1, tf.float64)
+
+    def expected(ids):
+        ids = tf.cast(ids, tf.float64)
+        p = tf.math.log((ids + 2.0) / (ids + 1.0)) / log_range
+        count = tf.where(tries == num_sampled, p * tries, -tf.math.expm1(tries * tf.math.log1p(-p)))
+        return tf.cast(count, tf.float32)
+
+    return sampled, expected(labels), expected(sampled)
+
+
+def sampled_softmax_loss(weights, biases, targets, hidden, candidates):
+    """Mean sampled-softmax loss with accidental hits removed.
 
     Only the rows of the true and sampled words are gathered from ``weights`` [V, P] and ``biases`` [V, 1], so
-    their gradients are sparse.
+    their gradients are sparse. ``candidates`` is ``(sampled ids, true expected counts, sampled expected counts)``
+    as ``log_uniform_candidates`` (or TensorFlow's candidate samplers) return them.
     """
     labels = tf.reshape(tf.cast(targets, tf.int64), [-1, 1])
     hidden = tf.reshape(hidden, [-1, hidden.shape[-1]])
-    sampled, true_expected, sampled_expected = tf.random.log_uniform_candidate_sampler(
-        labels, num_true=1, num_sampled=num_sampled, unique=True, range_max=vocab_size)
+    sampled, true_expected, sampled_expected = candidates
     ids = tf.concat([labels[:, 0], sampled], axis=0)
     rows = tf.nn.embedding_lookup(_shards(weights), ids)
     bias = tf.nn.embedding_lookup(_shards(biases), ids)[:, 0]
@@ -113,17 +159,20 @@ def sampled_softmax_loss(weights, biases, targets, hidden, num_sampled, vocab_si
 
 class LM1B(tf.keras.Model):
     """The LM1B model. ``fit`` data: (ids [batch, num_steps], next ids [batch, num_steps]); logs ``loss`` and
-    ``perplexity`` (sampled softmax while training, full softmax in ``evaluate``)."""
+    ``perplexity`` (sampled softmax while training, full softmax in ``evaluate``).
 
-    def __init__(self, config: LMConfig, **kwargs):
+    Training randomness (the dropout masks and the sampled words) is stateless: a function of ``seed``, ``stream``
+    (pass the worker index, so that workers draw differently) and the optimizer's step only. A run resumed from a
+    checkpoint therefore repeats the uninterrupted run bit for bit.
+    """
+
+    def __init__(self, config: LMConfig, seed: int = 0, stream: int = 0, **kwargs):
         super().__init__(name=kwargs.pop("name", "lm1b"), **kwargs)
-        self.config = config
+        self.config, self.seed, self.stream = config, int(seed), int(stream)
         self.word_embedding = tf.keras.layers.Embedding(config.vocab_size, config.embedding_dim,
                                                         name="word_embedding")
-        self.input_dropout = tf.keras.layers.Dropout(config.dropout)
         self.lstm = tf.keras.layers.RNN(LSTMProjectionCell(config.lstm_units, config.projection_dim),
                                         return_sequences=True, name="lstm")
-        self.output_dropout = tf.keras.layers.Dropout(config.dropout)
         self.softmax_w = tf.keras.layers.Embedding(config.vocab_size, config.projection_dim, name="softmax_w")
         self.softmax_b = tf.keras.layers.Embedding(config.vocab_size, 1, embeddings_initializer="zeros",
                                                    name="softmax_b")
@@ -136,9 +185,24 @@ class LM1B(tf.keras.Model):
             with tf.name_scope(f"{self.name}/{layer.name}"):
                 layer.build((None,))
 
+    def step_seed(self, use):
+        """The stateless seed of random ``use`` (1: input dropout, 2: output dropout, 3: sampler) at this step."""
+        base = tf.constant([self.seed, self.stream], tf.int64)
+        fold = tf.random.experimental.stateless_fold_in
+        optimizer = getattr(self, "optimizer", None)
+        step = tf.cast(optimizer.iterations, tf.int64) if optimizer is not None else tf.constant(0, tf.int64)
+        return fold(fold(base, step), use)
+
+    def _dropout(self, x, use, training):
+        if not training or not self.config.dropout:
+            return x
+        return tf.nn.experimental.stateless_dropout(x, self.config.dropout, self.step_seed(use))
+
     def call(self, ids, training=False):
-        x = self.input_dropout(self.word_embedding(ids), training=training)
-        return self.output_dropout(self.lstm(x), training=training)   # [batch, steps, P]
+        """Ids -> LSTM outputs [batch, steps, P]; with ``training=True`` the dropout masks follow ``step_seed``
+        (step 0 before ``compile``)."""
+        x = self._dropout(self.word_embedding(ids), 1, training)
+        return self._dropout(self.lstm(x), 2, training)
 
     @property
     def metrics(self):
@@ -148,8 +212,10 @@ class LM1B(tf.keras.Model):
         ids, targets = data[0], data[1]
         with tf.GradientTape() as tape:
             hidden = self(ids, training=True)
+            candidates = log_uniform_candidates(tf.reshape(tf.cast(targets, tf.int64), [-1, 1]),
+                                                self.config.num_sampled, self.config.vocab_size, self.step_seed(3))
             loss = sampled_softmax_loss(self.softmax_w.embeddings, self.softmax_b.embeddings, targets, hidden,
-                                        self.config.num_sampled, self.config.vocab_size)
+                                        candidates)
         variables = self.trainable_variables
         # compute_gradients (not tape.gradient) so that an optimizer wrapper that reduces gradients there, like
         # horovod's DistributedOptimizer, sees them; for plain Keras optimizers it is tape.gradient.
@@ -177,11 +243,11 @@ class LM1B(tf.keras.Model):
         return {"loss": loss, "perplexity": tf.exp(loss)}
 
     def get_config(self):
-        return {"config": dataclasses.asdict(self.config)}
+        return {"config": dataclasses.asdict(self.config), "seed": self.seed, "stream": self.stream}
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        return cls(LMConfig(**config["config"]))
+        return cls(LMConfig(**config["config"]), seed=config.get("seed", 0), stream=config.get("stream", 0))
 
 
 def make_optimizer(config: LMConfig, learning_rate=None):

@@ -24,7 +24,6 @@ import os
 
 from absl import app
 from absl import flags
-from absl import logging
 
 
 FLAGS = flags.FLAGS
@@ -140,7 +139,8 @@ def main(argv):
                 "epochs": epochs}
     if strategy.is_chief:
         _write_json(os.path.join(FLAGS.model_dir, "config.json"), resolved)
-        logging.info("training %s: %s", FLAGS.config, json.dumps(resolved))
+        print(f"training {FLAGS.config} ({architecture}, {n} worker(s), {cluster.num_ps} PS task(s), {total_steps} "
+              f"steps) on {source}; configuration: {os.path.join(FLAGS.model_dir, 'config.json')}", flush=True)
 
     words_per_step = config.batch_size * config.num_steps * n
     callbacks = [kp.callbacks.StepLogger(FLAGS.log_every, words_per_step, "words", strategy.is_chief),
@@ -151,12 +151,12 @@ def main(argv):
     saver = kp.callbacks.Checkpoint(strategy, FLAGS.model_dir, max(1, FLAGS.checkpoint_every))
     callbacks += [saver, kp.callbacks.StopAtStep(total_steps)]
     with strategy.scope():
-        model = lm1b.LM1B(config)
+        model = lm1b.LM1B(config, seed=FLAGS.seed, stream=index)
         model.compile(optimizer=lm1b.make_optimizer(config))
         start = 0
         latest = kp.checkpoint.latest(FLAGS.model_dir)
         if latest:
-            start = kp.checkpoint.restore(strategy, model, latest)["step"]
+            start = kp.checkpoint.restore(strategy, model, latest, continue_fit=True)["step"]
             if strategy.is_chief:
                 print(f"resumed from {latest} (step {start} of {total_steps})", flush=True)
         dataset = kp.data.per_worker(dataset.skip(start).prefetch(2))  # the data order continues where it stopped

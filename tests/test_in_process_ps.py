@@ -140,3 +140,31 @@ def test_architecture_ps_reads_each_dense_ps_variable_once_per_step_and_trains_e
     np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
     assert _reads_in_loops(plain) > 0, "plain Keras reads the kernels inside the loop: the check is not vacuous"
     assert _reads_in_loops(model) == 0
+
+
+def test_fit_after_restore_continues_the_epoch_its_step_and_its_metric_averages(strategy, tmp_path):
+    """Checkpoint every 4 steps, stop at step 10 (inside epoch 2 of 6-step epochs), restore step 8 and fit again:
+    weights and the epoch logs of epochs 2 and 3 equal plain Keras' unbroken 3-epoch run (epoch 2's averages
+    include steps 7-8, which only the restored metric states carry)."""
+    x, y = _data()
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16).repeat()
+    plain = _model("plain_resume")
+    plain.set_weights(_initial(plain))
+    plain.compile(optimizer=tf.keras.optimizers.Adagrad(0.2), loss="mse", metrics=["mae"])
+    expected = plain.fit(data, steps_per_epoch=6, epochs=3, verbose=0).history
+    with strategy.scope():
+        model = _model("fast_resume")
+        model.set_weights(_initial(model))
+        model.compile(optimizer=tf.keras.optimizers.Adagrad(0.2), loss="mse", metrics=["mae"])
+        saver = kp.callbacks.Checkpoint(strategy, str(tmp_path), every_steps=4)
+        model.fit(data, steps_per_epoch=6, epochs=3, verbose=0, callbacks=[kp.callbacks.StopAtStep(10), saver])
+        assert int(model.optimizer.iterations.numpy()) == 10
+        meta = kp.checkpoint.restore(strategy, model, str(tmp_path / "ckpt-8"), continue_fit=True)
+        assert meta["step"] == 8 and int(model.optimizer.iterations.numpy()) == 8
+        history = model.fit(data.skip(8), steps_per_epoch=6, epochs=3, verbose=0,
+                            callbacks=[kp.callbacks.Checkpoint(strategy, str(tmp_path), every_steps=4)])
+    assert int(model.optimizer.iterations.numpy()) == 18 and history.epoch == [1, 2]
+    for key in ("loss", "mae"):
+        np.testing.assert_allclose(history.history[key], expected[key][1:], rtol=1e-5, err_msg=key)
+    for got, want in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -43,22 +43,62 @@ def test_sampled_softmax_matches_tensorflows_on_the_same_samples():
     biases = tf.random.normal([vocab, 1])
     hidden = tf.random.normal([n, dim])
     targets = tf.random.uniform([n], 0, vocab, tf.int64)
-    tf.random.set_seed(7)
-    ours = lm1b.sampled_softmax_loss(weights, biases, targets, hidden, sampled, vocab)
-    tf.random.set_seed(7)
     samples = tf.random.log_uniform_candidate_sampler(tf.reshape(targets, [-1, 1]), 1, sampled, True, vocab)
+    ours = lm1b.sampled_softmax_loss(weights, biases, targets, hidden, samples)
     theirs = tf.reduce_mean(tf.nn.sampled_softmax_loss(weights, tf.reshape(biases, [-1]), tf.reshape(targets, [-1, 1]),
                                                        hidden, sampled, vocab, sampled_values=samples,
                                                        remove_accidental_hits=True))
     np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-5)
 
 
+@pytest.mark.parametrize("vocab, sampled", [(2000, 128), (100_000, 8192)])
+def test_stateless_sampler_draws_like_tensorflows_and_only_from_its_seed(vocab, sampled):
+    labels = tf.constant([[0], [7], [vocab - 1]], tf.int64)
+    draw = lambda a, b: lm1b.log_uniform_candidates(labels, sampled, vocab, tf.constant([a, b], tf.int64))
+    ids, true_expected, sampled_expected = draw(1, 2)
+    assert len(np.unique(ids.numpy())) == sampled and 0 <= ids.numpy().min() and ids.numpy().max() < vocab
+    again = draw(1, 2)
+    assert all(np.array_equal(x.numpy(), y.numpy()) for x, y in zip(again, (ids, true_expected, sampled_expected)))
+    assert not np.array_equal(draw(1, 3)[0].numpy(), ids.numpy())
+    # expected counts: the same distribution as tf.random.log_uniform_candidate_sampler(unique=True) ...
+    ours = np.mean([draw(k, 9)[1].numpy()[:, 0] for k in range(30)], axis=0)
+    theirs = np.mean([tf.random.log_uniform_candidate_sampler(labels, 1, sampled, True, vocab, seed=k)[1].numpy()[:, 0]
+                      for k in range(30)], axis=0)
+    np.testing.assert_allclose(ours, theirs, rtol=0.05)
+    # ... and they are what they claim: how often an id is drawn, over many seeds
+    rare = np.int64(vocab // 3)
+    hits = np.mean([rare in draw(k, 11)[0].numpy() for k in range(400)])
+    rare_expected = np.mean([lm1b.log_uniform_candidates(tf.constant([[rare]]), sampled, vocab,
+                                                         tf.constant([k, 11], tf.int64))[1].numpy()[0, 0]
+                             for k in range(400)])
+    assert abs(hits - rare_expected) < 4 * np.sqrt(rare_expected * (1 - rare_expected) / 400) + 0.01, (hits, rare_expected)
+
+
+def test_lm1b_training_randomness_follows_the_step_only():
+    config = lm1b.preset("lm1b_tiny", dropout=0.5)
+    ids = tf.constant(np.arange(20).reshape(2, 10), tf.int32)
+
+    def masks(stream, step):
+        tf.keras.utils.set_random_seed(1)
+        model = lm1b.LM1B(config, seed=3, stream=stream)
+        model.compile(optimizer=lm1b.make_optimizer(config))
+        model.optimizer.iterations.assign(step)
+        return model(ids, training=True).numpy()
+
+    assert np.array_equal(masks(0, 5), masks(0, 5))
+    assert not np.array_equal(masks(0, 5), masks(0, 6)) and not np.array_equal(masks(0, 5), masks(1, 5))
+    model = lm1b.LM1B(config, seed=3, stream=1)
+    assert lm1b.LM1B.from_config(model.get_config()).stream == 1
+
+
 def test_lm1b_gradients_of_tables_are_sparse():
     model = lm1b.LM1B(lm1b.preset("lm1b_tiny"))
     ids = tf.constant(np.arange(20).reshape(2, 10), tf.int32)
     with tf.GradientTape() as tape:
+        candidates = lm1b.log_uniform_candidates(tf.reshape(tf.cast(ids, tf.int64), [-1, 1]), 16,
+                                                 model.config.vocab_size, tf.constant([0, 0], tf.int64))
         loss = lm1b.sampled_softmax_loss(model.softmax_w.embeddings, model.softmax_b.embeddings, ids, model(ids),
-                                         16, model.config.vocab_size)
+                                         candidates)
     grads = tape.gradient(loss, [model.word_embedding.embeddings, model.softmax_w.embeddings])
     assert all(isinstance(g, tf.IndexedSlices) for g in grads)
 

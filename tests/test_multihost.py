@@ -145,6 +145,48 @@ def test_killing_a_ps_on_one_host_stops_both_hosts(hosts, tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", ["per-host", "ssh"])
+def test_max_restarts_across_two_hosts_resumes_to_the_unbroken_run(hosts, tmp_path, mode):
+    """Worker 1 (host 1) SIGKILLs itself at step 12 (checkpoints every 5) under --max_restarts 2: the hosts agree on
+    the restart through the coordinator, start again on the cluster file's ports, resume from step 10 and end with
+    the weights of an unbroken run of the same program."""
+    resume = os.path.join(PROGRAMS, "train_resume.py")
+    unbroken_out = tmp_path / "unbroken"
+    unbroken_out.mkdir()
+    unbroken = testing.run_local([sys.executable, resume, str(unbroken_out), str(tmp_path / "ckpt_u"), "20"],
+                                 log_dir=str(tmp_path / "logs_u"), workers=2, ps=1, timeout=240)
+    assert unbroken.returncode == 0, unbroken.report()
+    cluster, out = _cluster_file(tmp_path), tmp_path / "out"
+    out.mkdir()
+    train = ["--max_restarts", "2", "--timeout", "240", "--", sys.executable, resume, str(out), str(tmp_path / "ckpt"),
+             "20", "12"]
+    if mode == "per-host":
+        launchers = [subprocess.Popen(hosts.command(i, LAUNCH + ["--cluster", cluster, "--host-index", str(i),
+                                                                "--log_dir", str(tmp_path / f"host{i}")] + train),
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                     for i in (1, 0)]
+        outputs = _wait_all(launchers, 300)
+        assert [p.returncode for p in launchers] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+        assert "kparallax-run (host 1): restart 1/2 after worker 1 failed with exit code -9" in outputs[0], outputs[0]
+        assert "kparallax-run (host 0): restart 1/2 after" in outputs[1], outputs[1]
+        logs = [tmp_path / "host0", tmp_path / "host1"]
+    else:
+        env = dict(os.environ, PATH=os.path.join(PROGRAMS, "fake_ssh") + os.pathsep + os.environ["PATH"],
+                   KP_FAKE_SSH_NETNS=f"{ADDRESSES[0]}={hosts.names[0]},{ADDRESSES[1]}={hosts.names[1]}")
+        done = subprocess.run(LAUNCH + ["--cluster", cluster, "--ssh-port", "22", "--log_dir", str(tmp_path / "logs")]
+                              + train, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert "kparallax-run (host 1): restart 1/2 after worker 1 failed with exit code -9" in done.stdout, done.stdout
+        logs = [tmp_path / "logs", tmp_path / "logs"]
+    assert "resumed from step 10" in (logs[0] / "worker-0.log").read_text()
+    assert (logs[1] / "attempt-1" / "worker-1.log").exists() and (logs[0] / "attempt-1" / "ps-0.log").exists()
+    got, want = np.load(out / "final.npz"), np.load(unbroken_out / "final.npz")
+    assert int(got["iterations"]) == int(want["iterations"]) == 20
+    for key in [k for k in want.files if k.startswith("arr_")]:
+        np.testing.assert_allclose(got[key], want[key], rtol=RTOL, atol=ATOL, err_msg=key)
+
+
+@pytest.mark.multiprocess
 def test_tf_config_job_without_launcher(reference, tmp_path):
     """Kubernetes TFJob style: a chief, a worker and a ps, each started with its own TF_CONFIG."""
     ps, chief, worker = (f"127.0.0.1:{portpicker.pick_unused_port()}" for _ in range(3))

@@ -103,6 +103,29 @@ def reset_train_function(model):
     model.train_function = model.make_train_function(force=True)
 
 
+class _InitialCounters:
+    """What ``Model.fit`` asks ``model._training_state`` for (Keras 2.11-2.15, tf-keras 2.16-2.18): the epoch and
+    the step within it to start at. ``BackupAndRestore`` installs Keras' own ``WorkerTrainingState`` there."""
+
+    def __init__(self, epoch, step):
+        self._epoch, self._step = epoch, step
+
+    def maybe_load_initial_counters_from_ckpt(self, steps_per_epoch, initial_epoch, mode=None):
+        del steps_per_epoch, initial_epoch, mode
+        return self._epoch, self._step
+
+
+def set_initial_counters(model, epoch, step=0):
+    """Makes the next ``fit`` start at ``epoch`` and ``step`` within it (private ``_training_state``, read after
+    ``on_train_begin``); ``epoch=None`` removes it. A ``BackupAndRestore`` callback's own state is left alone."""
+    current = getattr(model, "_training_state", None)
+    if epoch is None:
+        if isinstance(current, _InitialCounters):
+            model._training_state = None  # pylint: disable=protected-access
+        return
+    model._training_state = _InitialCounters(epoch, step)  # pylint: disable=protected-access
+
+
 def steps_per_execution(model):
     """The model's current ``steps_per_execution`` (private ``_steps_per_execution`` variable; Keras' data
     handler lowers it for the last execution of an epoch)."""

@@ -13,6 +13,8 @@ import time
 import urllib.error
 import urllib.request
 
+from kparallax.cluster import spec
+
 SCOPE = "kparallax"
 ENV_COORDINATOR = "KPARALLAX_COORDINATOR"
 
@@ -69,6 +71,14 @@ class Coordinator:
         self._thread.start()
         self.address = f"{address}:{port}"
 
+    def reset_rendezvous(self, slots):
+        """Forgets Horovod's rendezvous keys of a stopped group (kparallax's own keys stay) for a restart."""
+        with self._server.cache_lock:
+            kept = dict(self._server.cache.get(SCOPE, {}))
+        self._server.init(slots)
+        with self._server.cache_lock:
+            self._server.cache[SCOPE] = kept
+
     def stop(self):
         self._server.shutdown()
         self._server.server_close()
@@ -106,12 +116,18 @@ def wait_reachable(coordinator, timeout):
             time.sleep(0.3)
 
 
+def connected_key(rank):
+    """The key worker ``rank`` sets once connected to the PS tasks (per start of the group: after a restart the
+    previous start's keys must not let a worker skip its turn)."""
+    return f"connected_{os.environ.get(spec.ENV_RESTART_COUNT, '0')}_{rank}"
+
+
 def wait_turn(coordinator, rank, timeout):
     """Blocks until worker ``rank - 1`` has made its first PS connection (first connections go one at a time)."""
     if rank == 0:
         return
     deadline = time.monotonic() + timeout
-    while get(coordinator, f"connected_{rank - 1}") is None:
+    while get(coordinator, connected_key(rank - 1)) is None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"Worker {rank - 1} did not connect to the PS tasks within {timeout:.0f} s, so worker "
                                f"{rank} cannot take its turn; check worker {rank - 1}'s log.")

@@ -102,7 +102,7 @@ def _connect_to_ps(cluster, connect_timeout, port_taken):
     connect_compat.connect(cluster.ps, cluster.task_index, _own_address(cluster, port_taken),
                            [cluster.ps_device(i) for i in range(cluster.num_ps)], cluster.connect_lock)
     if coordinator:
-        coordinator_lib.put(coordinator, f"connected_{cluster.task_index}", "1")
+        coordinator_lib.put(coordinator, coordinator_lib.connected_key(cluster.task_index), "1")
     logging.info("worker %d connected to %d PS task(s): %s", cluster.task_index, cluster.num_ps,
                  ", ".join(cluster.ps))
 

@@ -34,6 +34,7 @@ from kparallax._compat import tf as tf_compat
 from kparallax.core import data as data_lib
 from kparallax.core import fit_callbacks
 from kparallax.core import partition_search
+from kparallax.core import resume
 from kparallax.core import saving
 from kparallax.core import tables
 from kparallax.step import collectives
@@ -52,6 +53,7 @@ class Compiled:
     strategy: object
     step: object
     clones: object
+    resume: object = None  # a ``resume.Pending`` left by ``kparallax.checkpoint.restore`` for the next ``fit``
 
 
 def compiled(model):
@@ -202,6 +204,13 @@ def _fit(original, model, *args, **kwargs):
     elif a["verbose"] != 0:
         ours.append(keras_compat.progbar_logger())
         _announce(strategy, model)
+    pending = compiled(model).resume
+    if pending is not None:
+        if any(isinstance(c, tf.keras.callbacks.BackupAndRestore) for c in a["callbacks"] or []):
+            raise ValueError("fit has a restored kparallax checkpoint and a BackupAndRestore callback, which would "
+                             "resume from different places. Received: kparallax.checkpoint.restore() before fit with "
+                             "BackupAndRestore in callbacks. Use one of them.")
+        ours.append(resume.ResumePosition(pending, lambda: setattr(compiled(model), "resume", None)))
     a["callbacks"] = ours + list(a["callbacks"] or [])
     with strategy.scope():
         try:

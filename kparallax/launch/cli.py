@@ -54,9 +54,10 @@ def _parser():
                              "remote op, the PS) before the run is stopped, naming the workers behind (default 300; "
                              "Horovod's stall warnings start at half of it)")
     parser.add_argument("--max_restarts", "--max-restarts", dest="max_restarts", type=int, default=0,
-                        help="local mode: when a task fails, stop every task and start the whole group again, up to "
-                             "this many times (same run id, new ports; tasks see $KPARALLAX_RESTART_COUNT). "
-                             "Ctrl-C and --timeout never restart (default 0)")
+                        help="when a task fails (on any host), stop every task and start the whole group again, up "
+                             "to this many times (same run id; local mode picks new ports, cluster files keep theirs "
+                             "and re-check them; hosts agree through the coordinator; tasks see "
+                             "$KPARALLAX_RESTART_COUNT). Ctrl-C and --timeout never restart (default 0)")
     parser.add_argument("--quiet", action="store_true", help="do not stream worker 0's output to the terminal")
     parser.add_argument("--cluster-json", dest="cluster_json", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--stdin-watch", dest="stdin_watch", action="store_true", help=argparse.SUPPRESS)
@@ -98,9 +99,6 @@ def _parse(argv):
             args.plan = cluster_file.ClusterPlan.from_json(args.cluster_json)
     except ValueError as e:
         parser.error(str(e))
-    if args.plan is not None and args.max_restarts:
-        parser.error("--max_restarts works in local mode only for now (multi-host restarts are not built yet). "
-                     f"Received: --max_restarts={args.max_restarts} with a cluster of {len(args.plan.hosts)} host(s).")
     if args.plan is None:
         if args.host_index is not None:
             parser.error(f"--host-index needs --cluster FILE. Received: --host-index={args.host_index}.")

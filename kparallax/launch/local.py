@@ -19,7 +19,6 @@ from kparallax.cluster import spec as spec_lib
 from kparallax.launch import env as env_lib
 from kparallax.launch import tasks as tasks_lib
 
-RESTART_ENV = "KPARALLAX_RESTART_COUNT"
 
 
 def run(args):
@@ -33,7 +32,7 @@ def run(args):
             if failure is None or not failure.restartable or attempt >= args.max_restarts:
                 break
             attempt += 1
-            _keep_logs(log_dir, attempt)
+            keep_logs(log_dir, attempt)
             print(f"kparallax-run: restart {attempt}/{args.max_restarts} after {failure.name} {failure.what}",
                   file=sys.stderr, flush=True)
     except KeyboardInterrupt:
@@ -41,19 +40,19 @@ def run(args):
         return 130
     finally:
         restore()
-    if failure is not None:
-        if attempt:
-            failure.what += f" (after {attempt} restart(s))"
-        print(f"kparallax-run: {failure.message()}", file=sys.stderr)
-        return failure.code
-    return 0
+    return tasks_lib.finish(failure, attempt)
 
 
-def _keep_logs(log_dir, attempt):
-    """Moves the failed attempt's task logs and progress files to ``LOG_DIR/attempt-<attempt>/``."""
+def keep_logs(log_dir, attempt, names=None):
+    """Moves the failed attempt's task logs and progress files (``names``: only these files of ``log_dir``, e.g.
+    one host's when hosts share it) to ``LOG_DIR/attempt-<attempt>/``."""
     kept = os.path.join(log_dir, f"attempt-{attempt}")
     os.makedirs(kept, exist_ok=True)
-    for path in glob.glob(os.path.join(log_dir, "*.log")) + glob.glob(os.path.join(log_dir, "progress-worker-*")):
+    if names is None:
+        paths = glob.glob(os.path.join(log_dir, "*.log")) + glob.glob(os.path.join(log_dir, "progress-worker-*"))
+    else:
+        paths = [os.path.join(log_dir, name) for name in names if os.path.exists(os.path.join(log_dir, name))]
+    for path in paths:
         shutil.move(path, os.path.join(kept, os.path.basename(path)))
 
 
@@ -65,7 +64,7 @@ def _run_once(args, run_id, log_dir, attempt):
                                connect_lock=os.path.join(log_dir, "connect.lock"))
     env_lib.write_cluster_json(log_dir, cluster)
     base_env = env_lib.base_env(args, ps_hosts, worker_hosts, run_id, log_dir, cluster.connect_lock)
-    base_env[RESTART_ENV] = str(attempt)
+    base_env[spec_lib.ENV_RESTART_COUNT] = str(attempt)
     try:
         base_env.update(env_lib.bind_env(args, "127.0.0.1"))
     except RuntimeError as e:

@@ -21,14 +21,15 @@ from kparallax.cluster import coordinator as rendezvous
 from kparallax.cluster import net
 from kparallax.cluster import spec as cluster_lib
 from kparallax.launch import env as env_lib
+from kparallax.launch import local
 from kparallax.launch import tasks as _tasks
 
 POLL_SECONDS = 0.5
 COORDINATOR_LOST_SECONDS = 10.0
 
 
-def _status(code, name, what):
-    return f"failed|{code}|{name}|{what}"
+def _status(code, name, what, restartable=True):
+    return f"failed|{code}|{int(restartable)}|{name}|{what}"
 
 
 class _Watcher:
@@ -40,9 +41,15 @@ class _Watcher:
         self._host_index = host_index
         self._next = 0.0
         self._lost_since = None
+        self.attempt = 0  # which start of the group the statuses are of (``--max_restarts``)
+        self.last_failure = ""
+
+    def key(self, j):
+        """Host ``j``'s status key in the current start of the group."""
+        return f"a{self.attempt}_host_{j}"
 
     def statuses(self):
-        return {j: rendezvous.get(self._coordinator, f"host_{j}") for j in range(len(self._plan.hosts))}
+        return {j: rendezvous.get(self._coordinator, self.key(j)) for j in range(len(self._plan.hosts))}
 
     def poll(self, force=False):
         """(statuses or None, Failure or None); reads the coordinator at most every POLL_SECONDS unless ``force``."""
@@ -61,9 +68,9 @@ class _Watcher:
             return None, None
         for j, status in statuses.items():
             if j != self._host_index and status and status.startswith("failed|"):
-                _, code, name, what = status.split("|", 3)
+                _, code, restartable, name, what = status.split("|", 4)
                 return statuses, _tasks.Failure(f"{name} on host {j} ({self._plan.hosts[j].host})", what, int(code),
-                                                remote=True)
+                                                remote=True, restartable=restartable == "1")
         return statuses, None
 
     def failure(self):
@@ -94,27 +101,61 @@ def run_host(args):
     if problem:
         print(f"kparallax-run: {problem}", file=sys.stderr)
         return 2
-    tasks, coordinator, failure, key = [], None, None, f"host_{i}"
+    coordinator, failure, attempt = None, None, 0
     restore = env_lib.interruptible()
     if args.stdin_watch:
         threading.Thread(target=_interrupt_on_stdin_eof, daemon=True).start()
     watcher = _Watcher(plan.coordinator, plan, i)
     start = time.monotonic()
+    slots = rendezvous.slot_plan([(h.host, h.workers) for h in plan.hosts])
     try:
-        slots = rendezvous.slot_plan([(h.host, h.workers) for h in plan.hosts])
         if i == 0:
             coordinator = rendezvous.Coordinator(spec.host, plan.rendezvous_port, slots)
         else:
             rendezvous.wait_reachable(plan.coordinator, timeout=120.0)
+        while True:
+            failure = _run_attempt(args, plan, i, base_env, log_dir, interface, slots, watcher, attempt, start)
+            if failure is None or not failure.restartable or attempt >= args.max_restarts:
+                break
+            failure = _agree_on_restart(plan, i, attempt, coordinator, slots, watcher)
+            if failure is not None:
+                break
+            attempt += 1
+            local.keep_logs(log_dir, attempt, [f"ps-{j}.log" for j in plan.ps_indices(i)]
+                            + [n for r in plan.worker_ranks(i) for n in (f"worker-{r}.log", f"progress-worker-{r}")])
+            print(f"kparallax-run (host {i}): restart {attempt}/{args.max_restarts} after {watcher.last_failure}",
+                  file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        failure = _tasks.Failure(f"host {i}", "was interrupted (Ctrl-C, SIGTERM or its ssh session closed)", 130)
+        _publish(plan.coordinator, watcher.key(i), _status(130, f"launcher of host {i}", "was interrupted", False))
+    except (ConnectionError, OSError) as e:
+        failure = _tasks.Failure(f"host {i}", f"could not coordinate: {e}", 1)
+        _publish(plan.coordinator, watcher.key(i),
+                 _status(1, f"launcher of host {i}", f"could not coordinate: {e}", False))
+    finally:
+        if coordinator is not None:
+            _linger(watcher, plan)
+            coordinator.stop()
+        restore()
+    return _tasks.finish(failure, attempt, f"kparallax-run (host {i})")
+
+
+def _run_attempt(args, plan, i, base_env, log_dir, interface, slots, watcher, attempt, start):
+    """Starts this host's tasks for start number ``attempt``, supervises them, stops them; returns the failure."""
+    watcher.attempt = attempt
+    key = watcher.key(i)
+    tasks = []
+    env = dict(base_env, **{cluster_lib.ENV_RESTART_COUNT: str(attempt)})
+    try:
         rendezvous.put(plan.coordinator, key, "running")
-        failure = _tasks.start_ps(plan.ps_indices(i), [ps_hosts[j] for j in plan.ps_indices(i)], base_env, log_dir,
-                                  tasks)
+        failure = _tasks.start_ps(plan.ps_indices(i), [plan.ps_addresses[j] for j in plan.ps_indices(i)], env,
+                                  log_dir, tasks)
         if failure is None:
             host, port = plan.coordinator.rsplit(":", 1)
             for rank in plan.worker_ranks(i):
-                env = dict(base_env, **rendezvous.horovod_env(slots[rank], host, int(port), interface))
-                env.update({cluster_lib.ENV_TASK_TYPE: "worker", cluster_lib.ENV_TASK_INDEX: str(rank)})
-                tasks.append(_tasks.spawn("worker", rank, args.command, env, log_dir,
+                worker_env = dict(env, **rendezvous.horovod_env(slots[rank], host, int(port), interface))
+                worker_env.update({cluster_lib.ENV_TASK_TYPE: "worker", cluster_lib.ENV_TASK_INDEX: str(rank)})
+                tasks.append(_tasks.spawn("worker", rank, args.command, worker_env, log_dir,
                                           echo=rank == 0 and not args.quiet))
             failure = _tasks.supervise(tasks, args.timeout, elsewhere=watcher.failure, start=start,
                                        stall=_tasks.StallWatch(tasks, log_dir, args.stall_timeout))
@@ -124,31 +165,69 @@ def run_host(args):
             rendezvous.put(plan.coordinator, key, "done")
             failure = _wait_for_every_host(tasks, watcher, plan, i, args.timeout, start)
         elif not failure.remote:
-            _publish(plan.coordinator, key, _status(failure.code, failure.name, failure.what))
-    except KeyboardInterrupt:
-        failure = _tasks.Failure(f"host {i}", "was interrupted (Ctrl-C, SIGTERM or its ssh session closed)", 130)
-        _publish(plan.coordinator, key, _status(130, f"launcher of host {i}", "was interrupted"))
-    except (ConnectionError, OSError) as e:
-        failure = _tasks.Failure(f"host {i}", f"could not coordinate: {e}", 1)
-        _publish(plan.coordinator, key, _status(1, f"launcher of host {i}", f"could not coordinate: {e}"))
+            _publish(plan.coordinator, key, _status(failure.code, failure.name, failure.what, failure.restartable))
     finally:
         _tasks.stop_all(tasks)
-        if coordinator is not None:
-            _linger(watcher, plan)
-            coordinator.stop()
-        restore()
     if failure is not None:
-        print(f"kparallax-run (host {i}): {failure.message()}", file=sys.stderr)
-        return failure.code
-    return 0
+        watcher.last_failure = f"{failure.name} {failure.what}"
+    return failure
 
 
-def _port_in_use(plan, i):
+RESTART_AGREEMENT_SECONDS = 60.0
+
+
+def _final_failure(watcher):
+    """Another host's failure that is never restarted (Ctrl-C, --timeout there), if one was published."""
+    _, failure = watcher.poll(force=True)
+    return failure if failure is not None and not failure.restartable else None
+
+
+def _agree_on_restart(plan, i, attempt, coordinator, slots, watcher):
+    """Every host has stopped start ``attempt``'s tasks before any host starts the next one. Host 0 then clears
+    Horovod's rendezvous and says go; this host re-checks its ports. Returns a Failure if that does not happen."""
+    rendezvous.put(plan.coordinator, f"a{attempt}_stopped_{i}", "1")
+    deadline = time.monotonic() + RESTART_AGREEMENT_SECONDS
+    go = f"a{attempt + 1}_go"
+    if i == 0:
+        while True:
+            waiting = [j for j in range(len(plan.hosts)) if not rendezvous.get(plan.coordinator,
+                                                                                 f"a{attempt}_stopped_{j}")]
+            if not waiting:
+                break
+            final = _final_failure(watcher)
+            if final is not None:
+                return final
+            if time.monotonic() > deadline:
+                return _tasks.Failure(f"host {waiting[0]} ({plan.hosts[waiting[0]].host})",
+                                      f"did not stop its tasks for a restart within {RESTART_AGREEMENT_SECONDS:.0f} s",
+                                      1, restartable=False)
+            time.sleep(POLL_SECONDS / 5)
+        coordinator.reset_rendezvous(slots)
+        rendezvous.put(plan.coordinator, go, "1")
+    else:
+        while not rendezvous.get(plan.coordinator, go):
+            final = _final_failure(watcher)
+            if final is not None:
+                return final
+            if time.monotonic() > deadline:
+                return _tasks.Failure(f"host 0 ({plan.hosts[0].host})", "did not start the restart within "
+                                      f"{RESTART_AGREEMENT_SECONDS:.0f} s", 1, restartable=False)
+            time.sleep(POLL_SECONDS / 5)
+    while True:  # the stopped tasks' ports are free a moment after they exit
+        problem = _port_in_use(plan, i, rendezvous_too=False)
+        if problem is None:
+            return None
+        if time.monotonic() > deadline:
+            return _tasks.Failure(f"host {i}", f"cannot restart: {problem}", 2, restartable=False)
+        time.sleep(0.5)
+
+
+def _port_in_use(plan, i, rendezvous_too=True):
     """The first of this host's ports (PS, workers, and the rendezvous on host 0) that something already uses."""
     spec = plan.hosts[i]
     ports = [("ps_port", spec.ps_port + k) for k in range(spec.ps)]
     ports += [("worker_port", spec.worker_port + k) for k in range(spec.workers)]
-    if i == 0:
+    if i == 0 and rendezvous_too:
         ports.append(("rendezvous_port", plan.rendezvous_port))
     for key, port in ports:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
@@ -176,19 +255,19 @@ def _wait_for_every_host(tasks, watcher, plan, i, timeout, start):
             if task.role == "ps" and task.process.poll() is not None:
                 failure = _tasks.Failure(task.name, f"exited unexpectedly with code {task.process.returncode}",
                                          _tasks.exit_code(task.process.returncode) or 1, task.log_path)
-                _publish(plan.coordinator, f"host_{i}", _status(failure.code, failure.name, failure.what))
+                _publish(plan.coordinator, watcher.key(i), _status(failure.code, failure.name, failure.what))
                 return failure
         statuses, failure = watcher.poll(force=True)
         if failure is not None:
             return failure
         statuses = statuses or {}
         if statuses and all(s == "done" for s in statuses.values()):
-            _publish(plan.coordinator, f"ack_{i}", "1")
+            _publish(plan.coordinator, f"a{watcher.attempt}_ack_{i}", "1")
             return None
         if timeout and time.monotonic() - start > timeout:
             waiting = [f"host {j}" for j, s in statuses.items() if s != "done"]
             return _tasks.Failure(", ".join(waiting) or "the coordinator",
-                                  f"did not finish within --timeout={timeout:.0f}s", 124)
+                                  f"did not finish within --timeout={timeout:.0f}s", 124, restartable=False)
         time.sleep(POLL_SECONDS)
 
 
@@ -201,7 +280,7 @@ def _linger(watcher, plan, seconds=10.0):
             if any(s and s.startswith("failed|") for s in statuses.values()):
                 time.sleep(2 * POLL_SECONDS + 0.5)  # long enough for every launcher's next poll
                 return
-            acks = [rendezvous.get(plan.coordinator, f"ack_{j}") for j in range(len(plan.hosts))]
+            acks = [rendezvous.get(plan.coordinator, f"a{watcher.attempt}_ack_{j}") for j in range(len(plan.hosts))]
             if all(acks):
                 return
         except OSError:

@@ -32,7 +32,7 @@ def run(args):
         for i, spec in enumerate(plan.hosts):
             remote = [sys.executable, "-m", "kparallax.launch", "--cluster-json", plan.to_json(), "--host-index", str(i),
                       "--run_id", run_id, "--log_dir", log_dir, "--stdin-watch", "--timeout", str(args.timeout),
-                      "--stall_timeout", str(args.stall_timeout)]
+                      "--stall_timeout", str(args.stall_timeout), "--max_restarts", str(args.max_restarts)]
             if args.architecture:
                 remote += ["--architecture", args.architecture]
             if args.quiet:

@@ -262,6 +262,16 @@ def supervise(tasks: List[Task], timeout: float, elsewhere: Optional[Callable[[]
         time.sleep(0.1)
 
 
+def finish(failure: Optional[Failure], restarts: int, who: str = "kparallax-run") -> int:
+    """The launcher's exit code; a failure is printed, with the number of restarts made before it."""
+    if failure is None:
+        return 0
+    if restarts:
+        failure.what += f" (after {restarts} restart(s))"
+    print(f"{who}: {failure.message()}", file=sys.stderr)
+    return failure.code
+
+
 PS_COMMAND = [sys.executable, "-m", "kparallax.cluster.ps_server"]
 
 
