@@ -3,9 +3,11 @@
 ``python scripts/benchmark.py ... --profile DIR`` traces worker 0's timed steps of each variant into
 ``DIR/<variant>@<workers>/``; this module reads the XPlane files (``*.xplane.pb``) written there and reports, per
 timed step, the *self* time of every traced event on the host threads (an event's duration minus the events nested
-in it on the same thread), grouped into categories: the model's compute, embedding gathers and scatters, optimizer
-updates, the PS path (remote calls, sends and receives), Horovod, the input pipeline, and the runtime's own
-function/executor overhead. Threads run in parallel, so the sum can exceed the wall time of a step.
+in it on the same thread) of the ops on TensorFlow's op threads, grouped into categories (matmuls, the rest of the
+model's compute, embedding gathers and scatters, optimizer updates, the PS path's sends and receives, executor and
+function overhead), and the Python thread's split of each step: the step function's wall time and what runs outside
+it (callbacks, eager collectives). Horovod's and gRPC's own threads are not traced by TensorFlow (see the CPU
+profile by role of the benchmark, or ``perf``). Op threads run in parallel: their sum can exceed a step.
 
     python -m kparallax_bench.op_profile DIR [--steps N] [--top 12] [--json out.json]
 """
@@ -18,22 +20,16 @@ import os
 import re
 import sys
 
-CATEGORIES = (  # (category, regular expression on the event name), first match wins
-    ("Horovod collectives", r"horovod|Horovod|gloo"),
-    ("PS path: remote calls, send/recv", r"_Send|_Recv|_HostSend|_HostRecv|Remote|remote|RecvTensor|Rendezvous|"
-                                         r"EagerClient|RunComponentFunction|grpc|Grpc|EnqueueRequest|"
-                                         r"ClusterFunctionLibraryRuntime|ProcessFunctionLibraryRuntime::Run"),
-    ("embedding gathers/scatters, unique", r"Gather|Scatter|UnsortedSegment|Unique|SparseSegment|"
+CATEGORIES = (  # (category, regular expression on the op type), first match wins; op threads only
+    ("PS path: sends/receives, remote calls", r"^_Send|^_Recv|^_HostSend|^_HostRecv|Remote|RecvTensor|"
+                                              r"RunComponentFunction"),
+    ("embedding gathers/scatters, unique", r"Gather|Scatter|UnsortedSegment|^Unique|SparseSegment|"
                                            r"DynamicPartition|DynamicStitch"),
-    ("optimizer updates", r"ResourceApply|ResourceSparseApply|ApplyAdagrad|ApplyGradientDescent|ApplyAdam|"
-                          r"AssignAddVariableOp|AssignVariableOp|AssignSubVariableOp"),
-    ("input pipeline", r"Iterator|tf_data|Dataset|Prefetch"),
-    ("runtime: functions, executor, eager dispatch", r"__inference|__forward|__backward|Executor|Eager|"
-                                                      r"FunctionRun|Function|PartitionedCall|While|If|"
-                                                      r"ThreadpoolListener|TraceMe|InstantiatedCapturedFunction|"
-                                                      r"train|_Arg|_Retval|ReadVariableOp|VarHandleOp|Identity|"
-                                                      r"NoOp|Const"),
-    ("model compute (matmul, activations, loss, ...)", r".*"),
+    ("optimizer updates, variable writes", r"ResourceApply|ResourceSparseApply|^Assign"),
+    ("executor and function overhead", r"Executor|Function|PartitionedCall|^While$|^If$|^_Arg$|^_Retval$|"
+                                       r"ReadVariableOp|^Identity$|^NoOp$|^Const$|ParallelFor"),
+    ("model compute: matmul", r"MatMul"),
+    ("model compute: the rest (activations, loss, ...)", r".*"),
 )
 
 
@@ -57,26 +53,34 @@ def _op_type(name):
 
 
 def self_times(space):
-    """({event name: self picoseconds}, train step count) over the host plane's threads."""
-    totals, steps = collections.Counter(), 0
+    """Per step ingredients of one trace: ({op type: self picoseconds} on TensorFlow's op threads, {"train": ps,
+    "train_function": ps} on the Python thread, number of "train" events = steps)."""
+    ops, python, steps = collections.Counter(), collections.Counter(), 0
     for plane in space.planes:
         if not plane.name.startswith("/host:"):
             continue
         names = {k: m.name for k, m in plane.event_metadata.items()}
         for line in plane.lines:
+            on_python = line.name.startswith("python")
             events = sorted(((e.offset_ps, e.duration_ps, names.get(e.metadata_id, "?")) for e in line.events),
                             key=lambda e: (e[0], -e[1]))
             stack = []  # (end, key) of the enclosing events on this thread
             for start, duration, name in events:
                 key = _op_type(name)
+                if on_python:
+                    if key in ("train", "train_function"):
+                        python[key] += duration
+                        steps += key == "train"  # Keras' fit traces each step as "train"
+                    continue
                 while stack and stack[-1][0] <= start:
                     stack.pop()
-                if stack:
-                    totals[stack[-1][1]] -= duration  # nested: not the parent's own time
-                totals[key] += duration
+                if stack and start + duration <= stack[-1][0]:
+                    ops[stack[-1][1]] -= duration  # nested: not the parent's own time
+                elif stack:
+                    continue  # overlaps its neighbour without nesting (async op events): counted by neither
+                ops[key] += duration
                 stack.append((start + duration, key))
-                steps += key == "train"  # Keras' fit traces each step as "train"
-    return totals, steps
+    return ops, python, steps
 
 
 def categorize(totals):
@@ -90,41 +94,47 @@ def categorize(totals):
 
 
 def summarize(directory, steps=None, top=12):
-    """{run label: {"steps", "ms_per_step": {category: ms}, "top_ops": [(name, ms)]}} for DIR/<label>/..."""
+    """{run label: per-step milliseconds} for every ``DIR/<label>/`` holding traces: ``ops`` by category (self time
+    on TensorFlow's op threads, which run in parallel: their sum can exceed the step), ``step_function`` (wall
+    time of Keras' train function), ``outside_step_function`` (the rest of each step on the Python thread:
+    callbacks, eager collectives), ``top_ops``."""
     result = {}
     for label in sorted(os.listdir(directory)):
         run_dir = os.path.join(directory, label)
         if not os.path.isdir(run_dir):
             continue
-        totals, counted = collections.Counter(), 0
+        ops, python, counted = collections.Counter(), collections.Counter(), 0
         for _, space in _xspaces(run_dir):
-            t, s = self_times(space)
-            totals.update(t)
-            counted += s
+            o, p, c = self_times(space)
+            ops.update(o)
+            python.update(p)
+            counted += c
         n = steps or counted
         if not n:
             raise ValueError(f"{run_dir}: no train steps found in the trace; pass --steps. Received: {run_dir}.")
-        ms = {k: v / 1e9 / n for k, v in categorize(totals).items()}
-        result[label] = {"steps": n, "ms_per_step": dict(sorted(ms.items(), key=lambda kv: -kv[1])),
-                         "total_ms_per_step": sum(ms.values()),
-                         "top_ops": [(k, v / 1e9 / n) for k, v in totals.most_common(top)]}
+        per_step = {k: v / 1e9 / n for k, v in categorize(ops).items()}
+        result[label] = {"steps": n, "ops_ms": per_step, "ops_total_ms": sum(per_step.values()),
+                         "step_function_ms": python["train_function"] / 1e9 / n,
+                         "outside_step_function_ms": (python["train"] - python["train_function"]) / 1e9 / n,
+                         "top_ops": [(k, v / 1e9 / n) for k, v in ops.most_common(top)]}
     return result
 
 
 def markdown(result):
     labels = list(result)
-    categories = [c for c, _ in CATEGORIES]
-    lines = ["| worker 0, self time per step (ms) | " + " | ".join(labels) + " |",
-             "|---|" + "---:|" * len(labels)]
-    for category in categories:
-        lines.append(f"| {category} | " + " | ".join(f"{result[l]['ms_per_step'].get(category, 0.0):.1f}"
+    lines = ["| worker 0, ms per step | " + " | ".join(labels) + " |", "|---|" + "---:|" * len(labels)]
+    for category, _ in CATEGORIES:
+        lines.append(f"| {category} | " + " | ".join(f"{result[l]['ops_ms'].get(category, 0.0):.1f}"
                                                       for l in labels) + " |")
-    lines.append("| **all traced threads** | " + " | ".join(f"**{result[l]['total_ms_per_step']:.1f}**"
-                                                           for l in labels) + " |")
+    rows = (("**op threads, all (CPU-bound self time)**", "ops_total_ms"),
+            ("step function, wall (Python waits for it)", "step_function_ms"),
+            ("Python outside the step function (callbacks, eager ops)", "outside_step_function_ms"))
+    for title, key in rows:
+        lines.append(f"| {title} | " + " | ".join(f"{result[l][key]:.1f}" for l in labels) + " |")
     lines.append("| steps traced | " + " | ".join(str(result[l]["steps"]) for l in labels) + " |")
     for label in labels:
         lines.append("")
-        lines.append(f"{label}, top events by self time (ms per step): " + ", ".join(
+        lines.append(f"{label}, top op types by self time (ms per step): " + ", ".join(
             f"{name} {ms:.1f}" for name, ms in result[label]["top_ops"]))
     return "\n".join(lines)
 
