@@ -5,6 +5,8 @@
   list their variables differently.
 - The layer that creates a variable is found on the call stack (``build`` / ``add_weight`` frames): Keras passes no
   layer to variable creators.
+- ``fit`` starts inside an epoch only through the private ``model._training_state`` hook that ``BackupAndRestore``
+  uses (``set_initial_counters``; read by ``Model._maybe_load_initial_counters_from_ckpt`` in 2.11-2.15).
 """
 
 import sys
