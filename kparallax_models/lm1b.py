@@ -119,10 +119,12 @@ def log_uniform_candidates(labels, num_sampled, vocab_size, seed):
     _, draws = tf.while_loop(enough, lambda k, d: (k + 1, tf.concat([d, draw(k)], 0)),
                              (tf.constant(1, tf.int64), draw(tf.constant(0, tf.int64))),
                              shape_invariants=(tf.TensorShape([]), tf.TensorShape([None])))
-    distinct, position = tf.unique(draws)
+    distinct, position = tf.unique(draws)  # distinct ids in the order of their first draw
     sampled = distinct[:num_sampled]
-    first_draw = tf.math.unsorted_segment_min(tf.range(tf.size(draws)), position, tf.size(distinct))
-    tries = tf.cast(first_draw[num_sampled - 1] + 1, tf.float64)
+    # Draws needed: up to the first draw of the num_sampled-th distinct id. Read from where it occurs, never from
+    # the size of ``draws``: in a step partitioned over the PS devices, Grappler folded ``tf.size(draws)`` to the
+    # first chunk's size although the loop had drawn two chunks (seen with lm1b_sparse: 16384 vs 32768).
+    tries = tf.cast(tf.where(tf.equal(position, num_sampled - 1))[0, 0] + 1, tf.float64)
 
     def expected(ids):
         ids = tf.cast(ids, tf.float64)

@@ -75,3 +75,16 @@ def test_bad_arguments_are_named():
         done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "benchmark.py"), *argv],
                               capture_output=True, text=True, timeout=120, check=False)
         assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("process_sets", ["static", "dynamic"])
+def test_horovod_idle_reports_every_worker(process_sets, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "kparallax.launch", "--workers", "2", "--ps", "0", "--timeout", "120",
+                           "--log_dir", str(tmp_path), "--", sys.executable, "-m", "kparallax_bench.horovod_idle",
+                           "--process_sets", process_sets, "--idle_seconds", "1", "--allreduces", "3"],
+                          capture_output=True, text=True, timeout=180, check=False, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [json.loads(line.split("] ", 1)[1]) for line in done.stdout.splitlines() if line.startswith("[worker 0] {")]
+    assert [r["rank"] for r in rows] == [0, 1] and {r["process_sets"] for r in rows} == {process_sets}, done.stdout
+    assert all(r["idle_cpu_s_per_s"] > 0 and r["cpu_ms_per_allreduce_4mb"] > 0 for r in rows), rows

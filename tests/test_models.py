@@ -74,6 +74,20 @@ def test_stateless_sampler_draws_like_tensorflows_and_only_from_its_seed(vocab, 
     assert abs(hits - rare_expected) < 4 * np.sqrt(rare_expected * (1 - rare_expected) / 400) + 0.01, (hits, rare_expected)
 
 
+def test_stateless_sampler_in_a_graph_equals_eager_when_it_needs_several_chunks():
+    """2000 distinct of 3000 ids take several chunks of draws; in a tf.function, Grappler once folded the size of the
+    loop's draws to the first chunk's (an INVALID_ARGUMENT in lm1b_sparse's training step)."""
+    labels = tf.constant([[1], [2999]], tf.int64)
+    seed = tf.constant([1, 2], tf.int64)
+    eager = lm1b.log_uniform_candidates(labels, 2000, 3000, seed)
+    graph = tf.function(lambda s: lm1b.log_uniform_candidates(labels, 2000, 3000, s))(seed)
+    for got, want in zip(graph, eager):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+    p = np.log(3001 / 3000) / np.log(3001)  # id 2999's probability; its expected count is 1 - (1 - p)^draws
+    draws = np.log1p(-float(eager[1].numpy()[1, 0])) / np.log1p(-p)
+    assert draws > 4000, draws  # more than one chunk (4000 draws) was needed
+
+
 def test_lm1b_training_randomness_follows_the_step_only():
     config = lm1b.preset("lm1b_tiny", dropout=0.5)
     ids = tf.constant(np.arange(20).reshape(2, 10), tf.int32)

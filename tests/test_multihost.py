@@ -99,6 +99,34 @@ def test_per_host_mode_two_hosts_matches_single_process(hosts, reference, tmp_pa
 
 
 @pytest.mark.multiprocess
+def test_two_workers_per_host_aggregate_per_host_and_match_single_process(hosts, tmp_path):
+    """2 hosts x 2 workers, a PS on each host: local aggregation (on by default across hosts) sums each host's
+    sparse gradients in that host's Horovod process set (registered at start-up) and pushes once per host."""
+    env = dict(os.environ, KP_EQUIVALENCE_WORKERS="4")
+    reference, out = tmp_path / "reference", tmp_path / "out"
+    reference.mkdir()
+    out.mkdir()
+    done = subprocess.run([sys.executable, os.path.join(PROGRAMS, "train_reference.py"), str(reference), "adam"],
+                          capture_output=True, text=True, timeout=300, check=False, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(CLUSTER.replace("workers: 1", "workers: 2") + "    ps: 1\n")
+    train = ["--", sys.executable, os.path.join(PROGRAMS, "train_kparallax.py"), str(out), "adam"]
+    launchers = [subprocess.Popen(hosts.command(i, LAUNCH + ["--cluster", str(cluster), "--host-index", str(i),
+                                                            "--log_dir", str(tmp_path / f"host{i}"),
+                                                            "--timeout", "300"] + train),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                 for i in (1, 0)]
+    outputs = _wait_all(launchers, 360)
+    assert [p.returncode for p in launchers] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    got, ref = np.load(out / "adam.npz"), np.load(reference / "adam.npz")
+    for key in [k for k in ref.files if k.startswith("arr_")]:
+        np.testing.assert_allclose(got[key], ref[key], rtol=RTOL, atol=ATOL, err_msg=key)
+    info = json.loads((out / "adam.json").read_text())
+    assert info["push_counts"] == {"adam_embedding/embeddings": 2 * common.STEPS}, info  # 2 hosts, not 4 workers
+
+
+@pytest.mark.multiprocess
 def test_ssh_mode_starts_every_host_and_forwards_env(hosts, reference, tmp_path):
     cluster, out = _cluster_file(tmp_path), tmp_path / "out"
     out.mkdir()

@@ -6,16 +6,32 @@ Workarounds:
   collective output kparallax does not otherwise use is read by a stateful op (``KeepAlive.consume``).
 - Explicit names: Horovod matches tensors across workers by name, and auto-generated names differ when the
   workers' graphs differ (the chief's PS update adds ops); every collective in a step gets a fixed name.
-- Dynamic process sets: local aggregation adds a per-host process set after start-up, which needs
-  ``hvd.init(process_sets="dynamic")``.
+- Static process sets only: local aggregation's per-host process sets are registered at ``hvd.init``. With
+  ``hvd.init(process_sets="dynamic")`` (what adding a set after start-up needs) Horovod 0.28.1's background loop
+  runs one more global Gloo allgather on *every* cycle (``ProcessSetTable::InitializeRegisteredAndRemoveMarkedIfReady``
+  in ``RunLoopOnce``), whether or not a set is ever added. Measured (``kparallax_bench.horovod_idle``): an idle
+  worker burns 0.32-0.45 CPU-s per second with dynamic sets against 0.06-0.07 with static ones; on two saturated
+  cores, kparallax-allreduce went from 0.88x to 1.03x Horovod on lm1b_small (README, Benchmarks).
 """
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
 
-def init():
-    hvd.init(process_sets="dynamic")
+def init(host_groups=()):
+    """Initializes Horovod with one static process set per host that has 2 or more ranks but not all of them.
+
+    Args:
+      host_groups: the ranks of each host (lists partitioning all ranks); the same on every process.
+
+    Returns:
+      ``{rank: ProcessSet}`` for the ranks in those process sets.
+    """
+    size = sum(len(g) for g in host_groups)
+    groups = [sorted(g) for g in host_groups if 1 < len(g) < size]
+    sets = [hvd.ProcessSet(g) for g in groups]
+    hvd.init(process_sets=sets or None)
+    return {rank: s for s, g in zip(sets, groups) for rank in g}
 
 
 class KeepAlive:

@@ -1,9 +1,9 @@
 """The host-name requirement of Horovod's Gloo process sets.
 
-Workaround for: Horovod 0.28.1 with Gloo. Its process sets (kparallax initializes Horovod with dynamic process
-sets, which covers the global set too) build their Gloo contexts on the address this host's *name* resolves to,
-ignoring ``HOROVOD_GLOO_IFACE``. Symptom without the check: on a multi-host cluster where the name resolves to
-127.0.x.x, the workers hang in Horovod's initialization instead of failing.
+Workaround for: Horovod 0.28.1 with Gloo. Its process sets (the global one included) build their Gloo contexts on
+the address this host's *name* resolves to, ignoring ``HOROVOD_GLOO_IFACE``. Symptom without the check: on a
+multi-host cluster where the name resolves to 127.0.x.x, the workers hang in Horovod's initialization instead of
+failing.
 """
 
 import socket

@@ -6,7 +6,6 @@ coordinator (Horovod's rendezvous) at its own address and the others join it.
 """
 
 import os
-import socket
 
 import horovod.tensorflow as hvd
 import portpicker
@@ -84,7 +83,9 @@ def connect(cluster, connect_timeout=30.0):
             _connect_to_ps(cluster, connect_timeout, port_taken)
             _STATE["connected_to"] = key
     if not _STATE["horovod"]:
-        hvd_compat.init()
+        # Local aggregation (PS jobs only) needs a process set per host; Horovod takes them at init only.
+        _STATE["local_sets"] = hvd_compat.init(host_groups(cluster) if cluster.ps else ())
+        _STATE["workers"] = cluster.workers
         _STATE["horovod"] = True
     if hvd.size() != cluster.num_workers:
         raise ValueError(
@@ -112,23 +113,23 @@ def job_on_one_host(cluster):
     return net.job_on_one_host(list(cluster.workers) + list(cluster.ps))
 
 
-def local_process_set():
-    """The Horovod process set of the workers on this host (the global set when all share one host).
+def host_groups(cluster):
+    """The ranks (worker indices) of each host of ``cluster``, hosts told apart by their worker addresses."""
+    hosts = [w.rsplit(":", 1)[0] for w in cluster.workers]
+    return [[r for r, h in enumerate(hosts) if h == host] for host in sorted(set(hosts), key=hosts.index)]
 
-    Hosts are told apart by ``HOROVOD_HOSTNAME`` (set by kparallax-run and horovodrun; the machine's hostname
-    otherwise). Every worker must call this at the same point: adding process sets is a collective.
-    """
+
+def local_process_set():
+    """The Horovod process set of the workers on this host: the global set when all share one host, None when this
+    worker is alone on its host. The sets were registered by ``connect`` (``host_groups``)."""
     if hvd.local_size() == hvd.size():
         return hvd.global_process_set
-    if "local" in _STATE:
-        return _STATE["local"]
-    from kparallax.step import collectives  # pylint: disable=import-outside-toplevel
-    hosts = collectives.allgather_text(os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname(), name="kp_hosts")
-    mine = None
-    for host in sorted(set(hosts), key=hosts.index):  # same order on every worker
-        ranks = [r for r, h in enumerate(hosts) if h == host]
-        process_set = hvd.add_process_set(ranks) if len(ranks) > 1 else None
-        if hvd.rank() in ranks:
-            mine = process_set
-    _STATE["local"] = mine
+    mine = _STATE.get("local_sets", {}).get(hvd.rank())
+    ranks = len(mine.ranks) if mine is not None else 1
+    if ranks != hvd.local_size():
+        raise ValueError(
+            f"Local aggregation needs the workers of each host in one Horovod process set, but this worker's host "
+            f"has {hvd.local_size()} Horovod rank(s) and its cluster address groups it with {ranks}. List every "
+            "worker of a host under the same address (kparallax-run does), or pass local_aggregation=False. "
+            f"Received: workers={list(_STATE.get('workers', ()))}, HOROVOD_LOCAL_SIZE={hvd.local_size()}.")
     return mine

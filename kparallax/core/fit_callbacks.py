@@ -1,5 +1,6 @@
 """The callbacks ``fit`` adds under a HybridStrategy, in this order: replicated weights synchronized from worker 0,
-(the partition search), metrics averaged over workers, and the per-worker progress file the launcher watches."""
+(the partition search), epoch metrics averaged over workers, and the per-worker progress file the launcher
+watches."""
 
 import os
 import threading
@@ -51,21 +52,20 @@ class SyncReplicatedVariables(tf.keras.callbacks.Callback):
 
 
 class AverageMetrics(tf.keras.callbacks.Callback):
-    """Replaces each logged loss/metric with its average over workers (every batch and every epoch).
+    """Replaces each epoch's logged loss/metric with its average over workers.
 
-    With ``sync=False`` (asynchronous PS) only epoch logs are averaged: a per-batch collective would put the
-    workers back in lock-step; the per-batch progress then shows worker 0's own values.
+    Keras reads an epoch's logs from the model's metric variables, which hold each worker's own running values;
+    batch logs are averaged inside the synchronous step instead (``collectives.average_logs``). Asynchronous PS
+    training averages epoch logs only: a per-batch collective would put the workers back in lock-step, so its
+    batches show worker 0's own values.
 
     The same collective checks that every worker's optimizer made the same number of steps (it carries the
-    iteration count and its square: equal means have zero variance). Keras' loss-scale optimizer (mixed_float16)
-    skips a step by a decision each worker takes alone; a step skipped on some workers only would pair later
-    collectives across different steps, so ``fit`` stops with an error instead.
+    iteration count and its square: equal means have zero variance).
     """
 
     def __init__(self, strategy):
         super().__init__()
         self._strategy = strategy
-        self._per_batch = strategy.options.sync
 
     def _average(self, logs, tag):
         if self._strategy.num_workers == 1 or logs is None:
@@ -83,10 +83,6 @@ class AverageMetrics(tf.keras.callbacks.Callback):
                 f"{int(steps)}.")
         for key, value in zip(keys, values[:-2]):
             logs[key] = float(value)
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self._per_batch:
-            self._average(logs, "batch")
 
     def on_epoch_end(self, epoch, logs=None):
         self._average(logs, "epoch")

@@ -43,8 +43,8 @@ _LOCAL = threading.local()
 _STRATEGIES = weakref.WeakSet()
 _ORIGINAL_COMPILE = []
 _STATE = "_kparallax_compiled"
-_BOUND = ("fit", "evaluate", "predict", "get_weights", "set_weights", "make_train_function", "save", "save_weights",
-          "export", "load_weights")
+_BOUND = ("fit", "evaluate", "predict", "get_weights", "set_weights", "make_train_function", "train_step", "save",
+          "save_weights", "export", "load_weights")
 
 
 @dataclasses.dataclass
@@ -141,6 +141,8 @@ def _compile(model, *args, **kwargs):
     _bind_method(model, "get_weights", _layer_get_weights, strategy)
     _bind_method(model, "set_weights", _layer_set_weights, strategy)
     _bind_method(model, "make_train_function", _make_train_function, original_method(model, "make_train_function"))
+    if strategy.options.sync:
+        _bind_method(model, "train_step", _train_step, original_method(model, "train_step"))
     for name in ("save", "save_weights", "export"):
         _bind_method(model, name, saving.save, original_method(model, name), strategy)
     _bind_method(model, "load_weights", saving.load_weights, original_method(model, "load_weights"), strategy)
@@ -162,6 +164,13 @@ def _make_train_function(original, model, force=False):
 
     model.train_function = train_function
     return train_function
+
+
+def _train_step(original, model, data):
+    """The model's own ``train_step`` (Keras' or the user's), its logged metrics averaged over the workers in the
+    step (``collectives.average_logs``; synchronous training only: it is a collective)."""
+    iterations = model.optimizer.iterations.read_value()  # before this step's update (program order)
+    return collectives.average_logs(original(model, data), iterations, compiled(model).strategy.num_workers)
 
 
 def _refuse_fit(workers, model, *args, **kwargs):
@@ -216,7 +225,7 @@ def _fit(original, model, *args, **kwargs):
         try:
             return original(*bound.args, **bound.kwargs)
         except tf_compat.InvalidArgumentError as e:
-            raise _explained(e) from None
+            raise _explained(e, model) from None
 
 
 def _announce(strategy, model):
@@ -248,8 +257,14 @@ def _bytes(n):
 _OUT_OF_RANGE = re.compile(r"indices\[[0-9,]+\] = (-?[0-9]+) is not in \[0, ([0-9]+)\)")
 
 
-def _explained(error):
-    """TensorFlow's CPU gather error for an id outside a table, said plainly (other errors unchanged)."""
+def _explained(error, model):
+    """TensorFlow's CPU gather error for an id outside a table and the step check of ``collectives.average_logs``,
+    said plainly (other errors unchanged)."""
+    if collectives.STEP_SKEW_MESSAGE in str(error):
+        return RuntimeError(
+            "The workers' optimizers are at different steps: a step was applied on some workers only, e.g. a "
+            "mixed_float16 loss-scale skip decided by one worker. Training stopped before the workers' collectives "
+            f"went out of step. Received: iterations={int(model.optimizer.iterations.numpy())} on this worker.")
     match = _OUT_OF_RANGE.search(str(error))
     if not match:
         return error

@@ -1,4 +1,5 @@
-"""Horovod collectives of a step: the dense gradient allreduce, the ids allgather and the barrier.
+"""Horovod collectives of a step: the dense gradient allreduce, the ids allgather, the barrier and the average of
+the step's logged metrics.
 
 Every collective here has a fixed name (Horovod matches tensors across workers by name) and every output the step
 does not otherwise use is read by a stateful op (``_compat.horovod.KeepAlive``): the Grappler workaround is written
@@ -94,6 +95,40 @@ def barrier(num_workers, tokens=(), name="kp_barrier"):
     if num_workers == 1:
         return token
     return hvd.allreduce(token, op=hvd.Sum, name=name)
+
+
+STEP_SKEW_MESSAGE = "kparallax step check: the optimizers of the workers are at different steps"
+
+
+def average_logs(logs, iterations, num_workers):
+    """``logs`` (a train step's dict of metric results) with every float scalar averaged over the workers.
+
+    One float32 allreduce inside the step: it depends on the forward pass only (Keras updates its metrics from the
+    predictions), so Horovod can negotiate and fuse it with the gradients instead of running a blocking collective
+    after the step. It also carries ``iterations`` (the optimizer step read *before* this step's update) modulo 64
+    and its square, summed: equal on every worker exactly when ``N * sum(m^2) == sum(m)^2``. If not, a step was
+    applied on some workers only (e.g. a mixed_float16 loss-scale skip decided by one worker) and every worker stops
+    at the same step with ``STEP_SKEW_MESSAGE``, before the workers' collectives go out of step.
+
+    Other entries (non-float or non-scalar values a custom ``train_step`` returns) are left as each worker has them.
+    """
+    if num_workers == 1 or not isinstance(logs, dict):
+        return logs
+    keys = [k for k, v in logs.items() if isinstance(v, (tf.Tensor, tf.Variable)) and v.dtype.is_floating
+            and v.shape.rank == 0]
+    step = tf.cast(tf.math.floormod(tf.cast(iterations, tf.int64), 64), tf.float32)
+    values = tf.stack([tf.cast(logs[k], tf.float32) for k in keys] + [step, step * step])
+    summed = hvd.allreduce(values, op=hvd.Sum, name="kp_step_logs")
+    total, total_square = tf.cast(summed[-2], tf.float64), tf.cast(summed[-1], tf.float64)
+    check = tf.debugging.Assert(
+        tf.equal(float(num_workers) * total_square, total * total),
+        [STEP_SKEW_MESSAGE, "; mean step modulo 64:", total / num_workers, "this worker's:", step])
+    with tf.control_dependencies([check]):
+        averaged = summed / float(num_workers)
+    out = dict(logs)
+    for i, key in enumerate(keys):
+        out[key] = tf.cast(averaged[i], logs[key].dtype)
+    return out
 
 
 class _LocalCounter:

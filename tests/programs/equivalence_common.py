@@ -1,10 +1,13 @@
 """Model, data, initial weights and optimizers shared by the equivalence programs. Never imports kparallax."""
 
+import os
+
 import numpy as np
 import tensorflow as tf
 
 VOCAB, EMB, LEN = 1000, 8, 6
-PER_WORKER_BATCH, WORKERS, STEPS = 16, 2, 12
+PER_WORKER_BATCH, STEPS = 16, 12
+WORKERS = int(os.environ.get("KP_EQUIVALENCE_WORKERS", "2"))  # the multi-host tests also run 2 hosts x 2 workers
 
 OPTIMIZERS = {
     "sgd": lambda: tf.keras.optimizers.SGD(0.1),
