@@ -42,13 +42,17 @@ def hosts():
     pair.down()
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("reference")
-    done = subprocess.run([sys.executable, os.path.join(PROGRAMS, "train_reference.py"), str(out), ",".join(NAMES)],
-                          capture_output=True, text=True, timeout=300, check=False)
+def _train_reference(out, names, env=None):
+    """The single plain-Keras process on the concatenated batch (``KP_EQUIVALENCE_WORKERS`` in ``env`` sets N)."""
+    done = subprocess.run([sys.executable, os.path.join(PROGRAMS, "train_reference.py"), str(out), ",".join(names)],
+                          capture_output=True, text=True, timeout=300, check=False, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _train_reference(tmp_path_factory.mktemp("reference"), NAMES)
 
 
 def _cluster_file(tmp_path):
@@ -57,8 +61,17 @@ def _cluster_file(tmp_path):
     return str(path)
 
 
-def _assert_matches_reference(out, reference):
-    for name in NAMES:
+def _start_hosts(hosts, cluster, tmp_path, args, order=(1, 0), env=None):
+    """One per-host launcher in each namespace (``--cluster``, ``--host-index``, ``--log_dir tmp_path/host<i>``, then
+    ``args``), started in ``order``."""
+    return [subprocess.Popen(hosts.command(i, LAUNCH + ["--cluster", str(cluster), "--host-index", str(i),
+                                                       "--log_dir", str(tmp_path / f"host{i}")] + args),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            for i in order]
+
+
+def _assert_matches_reference(out, reference, names=NAMES):
+    for name in names:
         got, ref = np.load(out / f"{name}.npz"), np.load(reference / f"{name}.npz")
         for key in [k for k in ref.files if k.startswith("arr_")]:
             np.testing.assert_allclose(got[key], ref[key], rtol=RTOL, atol=ATOL, err_msg=f"{name} {key}")
@@ -84,11 +97,7 @@ def test_per_host_mode_two_hosts_matches_single_process(hosts, reference, tmp_pa
     cluster, out = _cluster_file(tmp_path), tmp_path / "out"
     out.mkdir()
     train = ["--", sys.executable, os.path.join(PROGRAMS, "train_kparallax.py"), str(out), ",".join(NAMES)]
-    launchers = [subprocess.Popen(hosts.command(i, LAUNCH + ["--cluster", cluster, "--host-index", str(i),
-                                                            "--log_dir", str(tmp_path / f"host{i}"),
-                                                            "--timeout", "240"] + train),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for i in (1, 0)]
+    launchers = _start_hosts(hosts, cluster, tmp_path, ["--timeout", "240"] + train)
     outputs = _wait_all(launchers, 300)
     assert [p.returncode for p in launchers] == [0, 0], "\n".join(o[-3000:] for o in outputs)
     _assert_matches_reference(out, reference)
@@ -106,22 +115,14 @@ def test_two_workers_per_host_aggregate_per_host_and_match_single_process(hosts,
     reference, out = tmp_path / "reference", tmp_path / "out"
     reference.mkdir()
     out.mkdir()
-    done = subprocess.run([sys.executable, os.path.join(PROGRAMS, "train_reference.py"), str(reference), "adam"],
-                          capture_output=True, text=True, timeout=300, check=False, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
+    _train_reference(reference, ("adam",), env)
     cluster = tmp_path / "cluster.yaml"
     cluster.write_text(CLUSTER.replace("workers: 1", "workers: 2") + "    ps: 1\n")
     train = ["--", sys.executable, os.path.join(PROGRAMS, "train_kparallax.py"), str(out), "adam"]
-    launchers = [subprocess.Popen(hosts.command(i, LAUNCH + ["--cluster", str(cluster), "--host-index", str(i),
-                                                            "--log_dir", str(tmp_path / f"host{i}"),
-                                                            "--timeout", "300"] + train),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-                 for i in (1, 0)]
+    launchers = _start_hosts(hosts, cluster, tmp_path, ["--timeout", "300"] + train, env=env)
     outputs = _wait_all(launchers, 360)
     assert [p.returncode for p in launchers] == [0, 0], "\n".join(o[-3000:] for o in outputs)
-    got, ref = np.load(out / "adam.npz"), np.load(reference / "adam.npz")
-    for key in [k for k in ref.files if k.startswith("arr_")]:
-        np.testing.assert_allclose(got[key], ref[key], rtol=RTOL, atol=ATOL, err_msg=key)
+    _assert_matches_reference(out, reference, names=("adam",))
     info = json.loads((out / "adam.json").read_text())
     assert info["push_counts"] == {"adam_embedding/embeddings": 2 * common.STEPS}, info  # 2 hosts, not 4 workers
 
@@ -148,11 +149,7 @@ def test_killing_a_ps_on_one_host_stops_both_hosts(hosts, tmp_path):
     cluster = _cluster_file(tmp_path)
     train = ["--", sys.executable, os.path.join(os.path.dirname(__file__), "..", "examples", "demo.py"),
              "--epochs", "50"]
-    launchers = [subprocess.Popen(hosts.command(i, LAUNCH + ["--cluster", cluster, "--host-index", str(i),
-                                                            "--log_dir", str(tmp_path / f"host{i}"), "--quiet",
-                                                            "--timeout", "240"] + train),
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for i in (0, 1)]
+    launchers = _start_hosts(hosts, cluster, tmp_path, ["--quiet", "--timeout", "240"] + train, order=(0, 1))
     log = tmp_path / "host0" / "worker-0.log"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and "Epoch 2/" not in (log.read_text() if log.exists() else ""):
@@ -189,10 +186,7 @@ def test_max_restarts_across_two_hosts_resumes_to_the_unbroken_run(hosts, tmp_pa
     train = ["--max_restarts", "2", "--timeout", "240", "--", sys.executable, resume, str(out), str(tmp_path / "ckpt"),
              "20", "12"]
     if mode == "per-host":
-        launchers = [subprocess.Popen(hosts.command(i, LAUNCH + ["--cluster", cluster, "--host-index", str(i),
-                                                                "--log_dir", str(tmp_path / f"host{i}")] + train),
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                     for i in (1, 0)]
+        launchers = _start_hosts(hosts, cluster, tmp_path, train)
         outputs = _wait_all(launchers, 300)
         assert [p.returncode for p in launchers] == [0, 0], "\n".join(o[-3000:] for o in outputs)
         assert "kparallax-run (host 1): restart 1/2 after worker 1 failed with exit code -9" in outputs[0], outputs[0]
