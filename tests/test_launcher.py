@@ -188,8 +188,12 @@ def test_fit_of_a_model_compiled_outside_the_scope_is_refused_in_a_multi_worker_
 
 
 @pytest.mark.multiprocess
-def test_workers_whose_optimizers_are_at_different_steps_stop_with_an_error(tmp_path):
-    run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "worker_behaviour.py"), "skew_steps"],
+@pytest.mark.parametrize("mode", ["skew_steps", "skew_steps_async"])
+def test_workers_whose_optimizers_are_at_different_steps_stop_with_an_error(tmp_path, mode):
+    """Synchronous training checks in every step; asynchronous training (no per-step collective of logs) at the
+    epoch's end. The same check (``collectives.average_checked``) and message either way."""
+    run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "worker_behaviour.py"), mode],
                             log_dir=str(tmp_path), workers=2, ps=1, timeout=120)
     assert run.returncode != 0, run.report()
     assert "The workers' optimizers are at different steps" in run.output, run.report()
+    assert "Received: iterations=" in run.output, run.report()

@@ -59,8 +59,8 @@ class AverageMetrics(tf.keras.callbacks.Callback):
     training averages epoch logs only: a per-batch collective would put the workers back in lock-step, so its
     batches show worker 0's own values.
 
-    The same collective checks that every worker's optimizer made the same number of steps (it carries the
-    iteration count and its square: equal means have zero variance).
+    The same collective checks that every worker's optimizer made the same number of steps
+    (``collectives.average_checked``, as the in-step average does).
     """
 
     def __init__(self, strategy):
@@ -71,17 +71,15 @@ class AverageMetrics(tf.keras.callbacks.Callback):
         if self._strategy.num_workers == 1 or logs is None:
             return
         keys = sorted(k for k, v in logs.items() if isinstance(v, (int, float, np.number, np.ndarray)))
-        steps = float(self.model.optimizer.iterations.numpy())
-        values = hvd.allreduce(tf.constant([float(logs[k]) for k in keys] + [steps, steps * steps], tf.float64),
-                               op=hvd.Average, name=f"kp_metrics_{tag}").numpy()
-        mean, mean_square = values[-2], values[-1]
-        if mean_square - mean * mean > 1e-6:
-            raise RuntimeError(
-                f"The workers' optimizers are at different steps (this worker at {int(steps)}, mean {mean:.2f}): a "
-                "step was applied on some workers only, e.g. a mixed_float16 loss-scale skip decided by one worker. "
-                "Training stopped before the workers' collectives went out of step. Received: iterations="
-                f"{int(steps)}.")
-        for key, value in zip(keys, values[:-2]):
+        iterations = int(self.model.optimizer.iterations.numpy())
+        try:
+            values = collectives.average_checked(tf.constant([float(logs[k]) for k in keys], tf.float32), iterations,
+                                                 self._strategy.num_workers, name=f"kp_metrics_{tag}").numpy()
+        except tf.errors.InvalidArgumentError as e:
+            if collectives.STEP_SKEW_MESSAGE in str(e):
+                raise collectives.step_skew_error(iterations) from None
+            raise
+        for key, value in zip(keys, values):
             logs[key] = float(value)
 
     def on_epoch_end(self, epoch, logs=None):

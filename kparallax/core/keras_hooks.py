@@ -261,10 +261,7 @@ def _explained(error, model):
     """TensorFlow's CPU gather error for an id outside a table and the step check of ``collectives.average_logs``,
     said plainly (other errors unchanged)."""
     if collectives.STEP_SKEW_MESSAGE in str(error):
-        return RuntimeError(
-            "The workers' optimizers are at different steps: a step was applied on some workers only, e.g. a "
-            "mixed_float16 loss-scale skip decided by one worker. Training stopped before the workers' collectives "
-            f"went out of step. Received: iterations={int(model.optimizer.iterations.numpy())} on this worker.")
+        return collectives.step_skew_error(model.optimizer.iterations.numpy())
     match = _OUT_OF_RANGE.search(str(error))
     if not match:
         return error

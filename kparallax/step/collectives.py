@@ -100,15 +100,41 @@ def barrier(num_workers, tokens=(), name="kp_barrier"):
 STEP_SKEW_MESSAGE = "kparallax step check: the optimizers of the workers are at different steps"
 
 
+def step_skew_error(iterations):
+    """The error every worker raises when ``average_checked`` found the workers' optimizers at different steps."""
+    return RuntimeError(
+        "The workers' optimizers are at different steps: a step was applied on some workers only, e.g. a "
+        "mixed_float16 loss-scale skip decided by one worker. Training stopped before the workers' collectives "
+        f"went out of step. Received: iterations={int(iterations)} on this worker.")
+
+
+def average_checked(values, iterations, num_workers, name):
+    """``values`` (a float vector) averaged over the workers by one float32 allreduce that also checks the steps.
+
+    The allreduce carries ``iterations`` (this worker's optimizer step) modulo 64 and its square, summed: they are
+    equal on every worker exactly when ``N * sum(m^2) == sum(m)^2``. If not, a step was applied on some workers only
+    (e.g. a mixed_float16 loss-scale skip decided by one worker) and every worker fails at the same point with
+    ``STEP_SKEW_MESSAGE`` (an ``InvalidArgumentError``; ``step_skew_error`` says it plainly), before the workers'
+    collectives go out of step. Works in a step's graph and eagerly (``fit_callbacks.AverageMetrics``).
+    """
+    step = tf.cast(tf.math.floormod(tf.cast(iterations, tf.int64), 64), tf.float32)
+    payload = tf.concat([tf.reshape(tf.cast(values, tf.float32), [-1]), tf.stack([step, step * step])], 0)
+    summed = hvd.allreduce(payload, op=hvd.Sum, name=name)
+    total, total_square = tf.cast(summed[-2], tf.float64), tf.cast(summed[-1], tf.float64)
+    check = tf.debugging.Assert(
+        tf.equal(float(num_workers) * total_square, total * total),
+        [STEP_SKEW_MESSAGE, "; mean step modulo 64:", total / num_workers, "this worker's:", step])
+    with tf.control_dependencies([check]):
+        return summed[:-2] / float(num_workers)
+
+
 def average_logs(logs, iterations, num_workers):
     """``logs`` (a train step's dict of metric results) with every float scalar averaged over the workers.
 
-    One float32 allreduce inside the step: it depends on the forward pass only (Keras updates its metrics from the
-    predictions), so Horovod can negotiate and fuse it with the gradients instead of running a blocking collective
-    after the step. It also carries ``iterations`` (the optimizer step read *before* this step's update) modulo 64
-    and its square, summed: equal on every worker exactly when ``N * sum(m^2) == sum(m)^2``. If not, a step was
-    applied on some workers only (e.g. a mixed_float16 loss-scale skip decided by one worker) and every worker stops
-    at the same step with ``STEP_SKEW_MESSAGE``, before the workers' collectives go out of step.
+    One allreduce inside the step (``average_checked``, which also checks that every worker's optimizer is at the
+    same step; ``iterations`` is read *before* this step's update): it depends on the forward pass only (Keras
+    updates its metrics from the predictions), so Horovod can negotiate and fuse it with the gradients instead of
+    running a blocking collective after the step.
 
     Other entries (non-float or non-scalar values a custom ``train_step`` returns) are left as each worker has them.
     """
@@ -116,15 +142,8 @@ def average_logs(logs, iterations, num_workers):
         return logs
     keys = [k for k, v in logs.items() if isinstance(v, (tf.Tensor, tf.Variable)) and v.dtype.is_floating
             and v.shape.rank == 0]
-    step = tf.cast(tf.math.floormod(tf.cast(iterations, tf.int64), 64), tf.float32)
-    values = tf.stack([tf.cast(logs[k], tf.float32) for k in keys] + [step, step * step])
-    summed = hvd.allreduce(values, op=hvd.Sum, name="kp_step_logs")
-    total, total_square = tf.cast(summed[-2], tf.float64), tf.cast(summed[-1], tf.float64)
-    check = tf.debugging.Assert(
-        tf.equal(float(num_workers) * total_square, total * total),
-        [STEP_SKEW_MESSAGE, "; mean step modulo 64:", total / num_workers, "this worker's:", step])
-    with tf.control_dependencies([check]):
-        averaged = summed / float(num_workers)
+    values = tf.stack([tf.cast(logs[k], tf.float32) for k in keys]) if keys else tf.zeros([0], tf.float32)
+    averaged = average_checked(values, iterations, num_workers, "kp_step_logs")
     out = dict(logs)
     for i, key in enumerate(keys):
         out[key] = tf.cast(averaged[i], logs[key].dtype)

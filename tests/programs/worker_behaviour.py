@@ -1,4 +1,5 @@
-"""Worker program for launcher tests. Usage: worker_behaviour.py MODE (fail_rank1 | same_index | ok | compile_outside | skew_steps)"""
+"""Worker program for launcher tests. Usage: worker_behaviour.py MODE (fail_rank1 | same_index | ok | compile_outside | skew_steps |
+skew_steps_async)"""
 
 import os
 import sys
@@ -13,7 +14,7 @@ if mode == "same_index":
 import kparallax as kp
 
 try:
-    strategy = kp.HybridStrategy(kp.Cluster.from_env())
+    strategy = kp.HybridStrategy(kp.Cluster.from_env(), sync=mode != "skew_steps_async")
 except (ValueError, ConnectionError) as e:
     print(f"kparallax error: {e}", file=sys.stderr, flush=True)
     sys.exit(2)
@@ -29,7 +30,7 @@ if mode == "compile_outside":
         print(f"refused: {e}", flush=True)
     else:
         sys.exit("fit of a model compiled outside the scope trained silently")
-if mode == "skew_steps":  # worker 1's optimizer makes one extra step, as a loss-scale skip on worker 0 would
+if mode in ("skew_steps", "skew_steps_async"):  # worker 1's optimizer makes one extra step, as a loss-scale skip on worker 0 would
     import numpy as np  # pylint: disable=import-outside-toplevel
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
