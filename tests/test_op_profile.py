@@ -18,7 +18,9 @@ def test_a_traced_fit_is_summarized_per_step(tmp_path):
     result = op_profile.summarize(str(tmp_path))["dense@1"]
     assert result["steps"] == 4
     assert result["ops_ms"]["model compute: matmul"] > 0 and result["step_function_ms"] > 0
-    assert any(name == "MatMul" for name, _ in result["top_ops"])
+    # The kernel's name depends on the CPU: "MatMul", or oneDNN's "_MklMatMul" / "_MklNativeFusedMatMul" on AVX-512
+    # machines (seen 2026-11-23); the matmul category matches them all the same way.
+    assert any("MatMul" in name for name, _ in result["top_ops"]), result["top_ops"]
     assert "| model compute: matmul |" in op_profile.markdown({"dense@1": result})
 
 
