@@ -258,8 +258,8 @@ _OUT_OF_RANGE = re.compile(r"indices\[[0-9,]+\] = (-?[0-9]+) is not in \[0, ([0-
 
 
 def _explained(error, model):
-    """TensorFlow's CPU gather error for an id outside a table and the step check of ``collectives.average_logs``,
-    said plainly (other errors unchanged)."""
+    """TensorFlow's CPU gather error for an id outside a table and the step check of
+    ``collectives.average_checked`` (in the step or at an epoch's end), said plainly (other errors unchanged)."""
     if collectives.STEP_SKEW_MESSAGE in str(error):
         return collectives.step_skew_error(model.optimizer.iterations.numpy())
     match = _OUT_OF_RANGE.search(str(error))

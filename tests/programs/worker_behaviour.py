@@ -1,5 +1,7 @@
-"""Worker program for launcher tests. Usage: worker_behaviour.py MODE (fail_rank1 | same_index | ok | compile_outside | skew_steps |
-skew_steps_async)"""
+"""Worker program for launcher tests.
+
+Usage: worker_behaviour.py MODE (fail_rank1 | same_index | ok | compile_outside | skew_steps | skew_steps_async)
+"""
 
 import os
 import sys
@@ -30,7 +32,8 @@ if mode == "compile_outside":
         print(f"refused: {e}", flush=True)
     else:
         sys.exit("fit of a model compiled outside the scope trained silently")
-if mode in ("skew_steps", "skew_steps_async"):  # worker 1's optimizer makes one extra step, as a loss-scale skip on worker 0 would
+if mode in ("skew_steps", "skew_steps_async"):
+    # worker 1's optimizer makes one extra step, as a loss-scale skip on worker 0 would
     import numpy as np  # pylint: disable=import-outside-toplevel
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
