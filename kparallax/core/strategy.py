@@ -40,8 +40,8 @@ class HybridStrategy:
     Inside ``scope()``, every ``tf.keras.layers.Embedding`` table (and any variable a placement rule maps to
     ``"ps"``) is created once on a parameter-server task and shared by all workers; every other variable is
     replicated on each worker. ``model.compile`` inside the scope wraps the optimizer so that dense gradients are
-    averaged with one fused Horovod allreduce and sparse gradients are aggregated on the PS and applied there as
-    one update per step. Training is synchronous and equals single-process training on the concatenated batch.
+    averaged with one Horovod allreduce per gradient and sparse gradients are aggregated on the PS and applied there
+    as one update per step. Training is synchronous and equals single-process training on the concatenated batch.
 
     Args:
       cluster: the ``Cluster``; defaults to ``Cluster.from_env()``.

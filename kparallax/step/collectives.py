@@ -35,10 +35,14 @@ def tie(tensor, tokens):
 
 
 def average_gradients(grads_and_vars, num_workers, compression="none", sparse_as_dense=False):
-    """Averages gradients of replicated variables across workers with one fused (grouped) allreduce.
+    """Averages gradients of replicated variables across workers, one Horovod collective per gradient.
 
     Dense gradients are allreduced; ``tf.IndexedSlices`` are allgathered (values and indices, Horovod's default)
-    unless ``sparse_as_dense``, which densifies them first.
+    unless ``sparse_as_dense``, which densifies them first. Each gradient gets its own collective (named by its
+    position, the same on every worker), as Horovod's ``DistributedOptimizer`` does: a collective starts as soon as
+    its gradient exists, while backprop computes the rest, and Horovod's background thread fuses whatever is ready
+    into one buffer. (A single grouped collective would wait for the last gradient, the first layer's, before
+    sending anything.)
 
     Args:
       grads_and_vars: list of (gradient, replicated variable).
@@ -54,20 +58,15 @@ def average_gradients(grads_and_vars, num_workers, compression="none", sparse_as
     variables = [v for _, v in grads_and_vars]
     if num_workers == 1 or not grads:
         return list(zip(grads, variables))
-    dense = [i for i, g in enumerate(grads) if not isinstance(g, tf.IndexedSlices)]
-    sparse = [i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
-    out = list(grads)
-    if dense:
-        reduced = hvd.grouped_allreduce([grads[i] for i in dense], op=hvd.Average,
-                                        compression=_COMPRESSION[compression], name="kp_dense_grads")
-        for i, g in zip(dense, reduced):
-            out[i] = g
-    if sparse:
-        values = hvd.grouped_allgather([grads[i].values for i in sparse], name="kp_replicated_sparse_values")
-        indices = hvd.grouped_allgather([tf.cast(grads[i].indices, tf.int64) for i in sparse],
-                                        name="kp_replicated_sparse_indices")
-        for i, v, ids in zip(sparse, values, indices):
-            out[i] = tf.IndexedSlices(v / tf.cast(num_workers, v.dtype), ids, grads[i].dense_shape)
+    out = []
+    for i, grad in enumerate(grads):
+        if isinstance(grad, tf.IndexedSlices):
+            values = hvd.allgather(grad.values, name=f"kp_replicated_sparse_values_{i}")
+            indices = hvd.allgather(tf.cast(grad.indices, tf.int64), name=f"kp_replicated_sparse_indices_{i}")
+            out.append(tf.IndexedSlices(values / tf.cast(num_workers, values.dtype), indices, grad.dense_shape))
+        else:
+            out.append(hvd.allreduce(grad, op=hvd.Average, compression=_COMPRESSION[compression],
+                                     name=f"kp_dense_grad_{i}"))
     return list(zip(out, variables))
 
 

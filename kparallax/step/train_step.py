@@ -5,8 +5,9 @@
 
   1. split the gradients: replicated variables vs PS variables (the strategy's registry decides);
   2. PS path (``ps_sync.SyncPs`` or ``ps_async.AsyncPs``): push, exchange ids, the chief's update on the PS;
-  3. dense path: one fused Horovod allreduce (``collectives.average_gradients``), applied locally by the user's
-     optimizer, while the PS path is in flight;
+  3. dense path: one Horovod allreduce per gradient (``collectives.average_gradients``; each starts when its
+     gradient exists, Horovod fuses what is ready), applied locally by the user's optimizer, while the PS path is
+     in flight;
   4. synchronous PS training ends at a barrier carrying the PS path's tokens, so no worker reads PS rows of the
      next step before the chief's update of this one has landed.
 With ``backward_passes_per_step = k`` the gradients are first accumulated locally (``accumulation.py``) and steps
