@@ -1,15 +1,23 @@
-"""Where worker 0's time goes: TensorFlow profiler traces of benchmark runs, summarized per step.
+"""Where the time of a step goes: TensorFlow profiler traces of benchmark runs, summarized per step.
 
-``python scripts/benchmark.py ... --profile DIR`` traces worker 0's timed steps of each variant into
-``DIR/<variant>@<workers>/``; this module reads the XPlane files (``*.xplane.pb``) written there and reports, per
-timed step, the *self* time of every traced event on the host threads (an event's duration minus the events nested
-in it on the same thread) of the ops on TensorFlow's op threads, grouped into categories (matmuls, the rest of the
-model's compute, embedding gathers and scatters, optimizer updates, the PS path's sends and receives, executor and
-function overhead), and the Python thread's split of each step: the step function's wall time and what runs outside
-it (callbacks, eager collectives). Horovod's and gRPC's own threads are not traced by TensorFlow (see the CPU
-profile by role of the benchmark, or ``perf``). Op threads run in parallel: their sum can exceed a step.
+``python scripts/benchmark.py ... --profile DIR`` traces every worker's timed steps of each variant into
+``DIR/<variant>@<workers>/worker-<rank>/``; this module reads the XPlane files (``*.xplane.pb``) written there.
 
-    python -m kparallax_bench.op_profile DIR [--steps N] [--top 12] [--json out.json]
+* Ops (worker 0): per timed step, the *self* time of every traced event on the host threads (an event's duration
+  minus the events nested in it on the same thread) of the ops on TensorFlow's op threads, grouped into categories
+  (matmuls, the rest of the model's compute, embedding gathers and scatters, optimizer updates, the PS path's sends
+  and receives, executor and function overhead), and the Python thread's split of each step: the step function's
+  wall time and what runs outside it (callbacks, eager collectives). Horovod's and gRPC's own threads are not traced
+  by TensorFlow (see the CPU profile by role of the benchmark, or ``perf``). Op threads run in parallel: their sum
+  can exceed a step.
+* Phases (``--phases``, every worker; the workers share this machine's clock): for the k-th timed step of every
+  worker, when its step function started, when its backprop ended (the last op named ``gradient_tape/...``, as
+  Keras' ``train_step`` names the gradient ops) and when its step function returned, in ms after the first worker
+  started that step; medians over the steps. In a synchronous step nobody finishes before the slowest worker's
+  gradients have been exchanged and applied, so the *tail* (the last backprop's end to the last step's end) is what
+  the exchange and the update add after the compute.
+
+    python -m kparallax_bench.op_profile DIR [--steps N] [--top 12] [--phases] [--json out.json]
 """
 
 import argparse
@@ -18,6 +26,7 @@ import glob
 import json
 import os
 import re
+import statistics
 import sys
 
 CATEGORIES = (  # (category, regular expression on the op type), first match wins; op threads only
@@ -46,40 +55,54 @@ def _xspaces(directory):
         yield path, space
 
 
+def _run_dirs(directory):
+    """(label, the directory of worker 0's trace) for every ``DIR/<label>/`` (``worker-0/`` inside it, or the label
+    directory itself for traces of one process)."""
+    for label in sorted(os.listdir(directory)):
+        run_dir = os.path.join(directory, label)
+        if os.path.isdir(run_dir):
+            worker0 = os.path.join(run_dir, "worker-0")
+            yield label, worker0 if os.path.isdir(worker0) else run_dir
+
+
 def _op_type(name):
     """``scope/op_name:OpType`` (a kernel's trace name) -> ``OpType``; other names unchanged."""
     name = name.split("#", 1)[0]  # TraceMe metadata ("train#step_num=3#")
     return name.rsplit(":", 1)[1] if ":" in name and "::" not in name else name
 
 
+def _host_lines(space):
+    """(line, {metadata id: event name}, on the Python thread) for every thread line of the host planes."""
+    for plane in space.planes:
+        if plane.name.startswith("/host:"):
+            names = {k: m.name for k, m in plane.event_metadata.items()}
+            for line in plane.lines:
+                yield line, names, line.name.startswith("python")
+
+
 def self_times(space):
     """Per step ingredients of one trace: ({op type: self picoseconds} on TensorFlow's op threads, {"train": ps,
     "train_function": ps} on the Python thread, number of "train" events = steps)."""
     ops, python, steps = collections.Counter(), collections.Counter(), 0
-    for plane in space.planes:
-        if not plane.name.startswith("/host:"):
-            continue
-        names = {k: m.name for k, m in plane.event_metadata.items()}
-        for line in plane.lines:
-            on_python = line.name.startswith("python")
-            events = sorted(((e.offset_ps, e.duration_ps, names.get(e.metadata_id, "?")) for e in line.events),
-                            key=lambda e: (e[0], -e[1]))
-            stack = []  # (end, key) of the enclosing events on this thread
-            for start, duration, name in events:
-                key = _op_type(name)
-                if on_python:
-                    if key in ("train", "train_function"):
-                        python[key] += duration
-                        steps += key == "train"  # Keras' fit traces each step as "train"
-                    continue
-                while stack and stack[-1][0] <= start:
-                    stack.pop()
-                if stack and start + duration <= stack[-1][0]:
-                    ops[stack[-1][1]] -= duration  # nested: not the parent's own time
-                elif stack:
-                    continue  # overlaps its neighbour without nesting (async op events): counted by neither
-                ops[key] += duration
-                stack.append((start + duration, key))
+    for line, names, on_python in _host_lines(space):
+        events = sorted(((e.offset_ps, e.duration_ps, names.get(e.metadata_id, "?")) for e in line.events),
+                        key=lambda e: (e[0], -e[1]))
+        stack = []  # (end, key) of the enclosing events on this thread
+        for start, duration, name in events:
+            key = _op_type(name)
+            if on_python:
+                if key in ("train", "train_function"):
+                    python[key] += duration
+                    steps += key == "train"  # Keras' fit traces each step as "train"
+                continue
+            while stack and stack[-1][0] <= start:
+                stack.pop()
+            if stack and start + duration <= stack[-1][0]:
+                ops[stack[-1][1]] -= duration  # nested: not the parent's own time
+            elif stack:
+                continue  # overlaps its neighbour without nesting (async op events): counted by neither
+            ops[key] += duration
+            stack.append((start + duration, key))
     return ops, python, steps
 
 
@@ -99,10 +122,7 @@ def summarize(directory, steps=None, top=12):
     time of Keras' train function), ``outside_step_function`` (the rest of each step on the Python thread:
     callbacks, eager collectives), ``top_ops``."""
     result = {}
-    for label in sorted(os.listdir(directory)):
-        run_dir = os.path.join(directory, label)
-        if not os.path.isdir(run_dir):
-            continue
+    for label, run_dir in _run_dirs(directory):
         ops, python, counted = collections.Counter(), collections.Counter(), 0
         for _, space in _xspaces(run_dir):
             o, p, c = self_times(space)
@@ -118,6 +138,103 @@ def summarize(directory, steps=None, top=12):
                          "outside_step_function_ms": (python["train"] - python["train_function"]) / 1e9 / n,
                          "top_ops": [(k, v / 1e9 / n) for k, v in ops.most_common(top)]}
     return result
+
+
+def events(space):
+    """Every traced event of the host planes of ``space``: (start ms, duration ms, name, on the Python thread),
+    on the machine's clock."""
+    return [((line.timestamp_ns * 1000 + e.offset_ps) / 1e9, e.duration_ps / 1e9, names.get(e.metadata_id, "?"),
+             on_python) for line, names, on_python in _host_lines(space) for e in line.events]
+
+
+# Ops marking a point of a step (first start inside the step function; worker rows without such an op show "-"):
+# kparallax's synchronous PS path sends the allgathered ids to the PS tasks (the chief only) once every worker's
+# pushes have landed.
+MARKS = {"ids allgathered": r"^kp_sparse_ids"}
+
+
+def step_phases(by_worker, marks=None):
+    """Per-step phases of a synchronous run from every worker's events (``events``): {rank: [(start ms,
+    duration ms, name, on_python)]} -> {"steps": n, "workers": {rank: {"start", "backprop_done", "end", <mark>...}},
+    "last_backprop_done", "step", "tail"} in ms after the first worker started the step, medians over the timed
+    steps (the k-th step function of each worker is step k; the shortest trace bounds n). "backprop_done" is the end
+    of the worker's last op named ``gradient_tape/...`` inside its step function (None if it has none); each of
+    ``marks`` ({name: regular expression}, default ``MARKS``) is the start of the first op matching it."""
+    marks = MARKS if marks is None else marks
+    steps = {r: sorted((t, t + d) for t, d, n, py in ev if py and n.split("#", 1)[0] == "train_function")
+             for r, ev in by_worker.items()}
+    n = min((len(s) for s in steps.values()), default=0)
+    if not n:
+        raise ValueError("no train steps found in every worker's trace. Received: workers "
+                         f"{sorted(by_worker)} with {[len(steps[r]) for r in sorted(by_worker)]} steps.")
+    grads = {r: sorted((t, t + d) for t, d, name, py in ev if not py and name.startswith("gradient_tape/"))
+             for r, ev in by_worker.items()}
+    rows = {r: {"start": [], "backprop_done": [], "end": [], **{m: [] for m in marks}} for r in by_worker}
+    marked = {r: {m: sorted(t for t, _, name, py in ev if not py and re.search(pattern, name))
+                  for m, pattern in marks.items()} for r, ev in by_worker.items()}
+    last, length, tail = [], [], []
+    for k in range(n):
+        origin = min(steps[r][k][0] for r in by_worker)
+        done = {}
+        for r in by_worker:
+            start, end = steps[r][k]
+            ends = [e for s, e in grads[r] if start <= s <= end]
+            done[r] = max(ends) - origin if ends else None
+            rows[r]["start"].append(start - origin)
+            rows[r]["end"].append(end - origin)
+            rows[r]["backprop_done"].append(done[r])
+            for m, times in marked[r].items():
+                inside = [t for t in times if start <= t <= end]
+                rows[r][m].append(inside[0] - origin if inside else None)
+        finished = max(steps[r][k][1] for r in by_worker) - origin
+        length.append(finished)
+        if all(d is not None for d in done.values()):
+            last.append(max(done.values()))
+            tail.append(finished - last[-1])
+
+    def median(values):
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+    return {"steps": n, "workers": {r: {k: median(v) for k, v in row.items()} for r, row in sorted(rows.items())},
+            "last_backprop_done": median(last), "step": median(length), "tail": median(tail), "marks": list(marks)}
+
+
+def phases(directory):
+    """{label: ``step_phases``} for every ``DIR/<label>/`` holding ``worker-<rank>/`` traces."""
+    result = {}
+    for label in sorted(os.listdir(directory)):
+        workers = sorted(glob.glob(os.path.join(directory, label, "worker-*")))
+        if not workers:
+            continue
+        by_worker = {}
+        for path in workers:
+            rank = int(path.rsplit("-", 1)[1])
+            by_worker[rank] = [e for _, space in _xspaces(path) for e in events(space)]
+        result[label] = step_phases(by_worker)
+    if not result:
+        raise FileNotFoundError(f"No worker-<rank>/ traces under {directory}: run the benchmark with --profile DIR "
+                                f"first. Received: {directory}.")
+    return result
+
+
+def phases_markdown(result):
+    def cell(value):
+        return "-" if value is None else f"{value:.0f}"
+    lines = []
+    for label, entry in result.items():
+        marks = [m for m in entry.get("marks", []) if any(row.get(m) is not None for row in entry["workers"].values())]
+        lines += ["", f"{label}: ms after the first worker started the step (medians over {entry['steps']} steps)", "",
+                  "| worker | step function started | backprop done | " + "".join(f"{m} | " for m in marks)
+                  + "step function returned |", "|---|---:|---:|" + "---:|" * len(marks) + "---:|"]
+        for rank, row in entry["workers"].items():
+            lines.append(f"| {rank} | {cell(row['start'])} | {cell(row['backprop_done'])} | "
+                         + "".join(f"{cell(row[m])} | " for m in marks) + f"{cell(row['end'])} |")
+        if entry["tail"] is not None:
+            lines.append(f"\nThe slowest worker's backprop is done at {entry['last_backprop_done']:.0f} ms of a "
+                         f"{entry['step']:.0f} ms step: the tail after it (its last pushes or collectives, the "
+                         f"update, the end-of-step synchronization) takes {entry['tail']:.0f} ms "
+                         f"({100 * entry['tail'] / entry['step']:.0f}%).")
+    return "\n".join(lines[1:])
 
 
 def markdown(result):
@@ -144,14 +261,22 @@ def main(argv=None):
     parser.add_argument("directory")
     parser.add_argument("--steps", type=int, default=None, help="timed steps traced (default: counted in the trace)")
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--phases", action="store_true",
+                        help="also every worker's step phases (start, backprop done, end) and the step's tail")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     try:
         result = summarize(args.directory, args.steps, args.top)
+        if args.phases:
+            for label, entry in phases(args.directory).items():
+                result[label]["phases"] = entry
     except (FileNotFoundError, ValueError) as e:
         print(f"op_profile: {e}", file=sys.stderr)
         return 2
     print(markdown(result))
+    if args.phases:
+        print()
+        print(phases_markdown({label: entry["phases"] for label, entry in result.items() if "phases" in entry}))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)

@@ -56,7 +56,8 @@ def build(model_name, batch_size, workers, rank):
 
 def profiling(label):
     """Starts TensorFlow's profiler into ``$KPBENCH_PROFILE/<label>`` when that variable is set (benchmark.py
-    --profile); returns the function that stops it (a no-op otherwise)."""
+    --profile; ``label`` is ``<variant>@<workers>/worker-<rank>``); returns the function that stops it (a no-op
+    otherwise)."""
     directory = os.environ.get("KPBENCH_PROFILE")
     if not directory:
         return lambda: None
@@ -66,8 +67,9 @@ def profiling(label):
 
 
 def step_timer(warmup, rank, label="run"):
-    """A callback recording each step's seconds after ``warmup`` steps; rank 0 marks the timed window (and, with
-    $KPBENCH_PROFILE, traces it with TensorFlow's profiler)."""
+    """A callback recording each step's seconds after ``warmup`` steps; rank 0 marks the timed window. With
+    $KPBENCH_PROFILE every rank traces its timed steps with TensorFlow's profiler (``op_profile`` summarizes
+    worker 0's ops and every worker's phases)."""
     import tensorflow as tf
 
     class StepTimer(tf.keras.callbacks.Callback):
@@ -77,9 +79,10 @@ def step_timer(warmup, rank, label="run"):
 
         def on_train_batch_end(self, batch, logs=None):
             now = time.perf_counter()
-            if batch + 1 == warmup and rank == 0:
-                mark("start")
-                self.stop_profile = profiling(label)
+            if batch + 1 == warmup:
+                if rank == 0:
+                    mark("start")
+                self.stop_profile = profiling(f"{label}/worker-{rank}")
             if batch + 1 > warmup:
                 self.times.append(now - self.last)
             self.last = now
@@ -91,8 +94,8 @@ def step_timer(warmup, rank, label="run"):
         def on_train_end(self, logs=None):
             if rank == 0:
                 mark("stop")
-                if self.stop_profile is not None:
-                    self.stop_profile()
+            if self.stop_profile is not None:
+                self.stop_profile()
     return StepTimer()
 
 

@@ -78,6 +78,30 @@ def test_bad_arguments_are_named():
 
 
 @pytest.mark.multiprocess
+def test_link_check_bursts_are_limited_by_the_emulated_links(tmp_path):
+    """kparallax_bench.link_check on 3 emulated 1 Gbit/s hosts: raw TCP (one flow, an incast of two) and TensorFlow's
+    push and pull to two PS servers, each burst no faster than its bytes allow at the link rate."""
+    out = tmp_path / "links.json"
+    done = subprocess.run([sys.executable, "-m", "kparallax_bench.link_check", "--hosts", "3", "--rate", "1gbit",
+                           "--mb", "4", "--rounds", "2", "--idle", "0.2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, check=False, cwd=ROOT)
+    if done.returncode == 2 and "needs an emulated network" in done.stderr:
+        pytest.skip(done.stderr.strip())
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    patterns = json.loads(out.read_text())["patterns"]
+    assert [p["pattern"].split(",")[0] for p in patterns] == ["tcp", "tcp", "tcp", "tf-push", "tf-pull"], patterns
+    for pattern in patterns:  # 4 MB at 1 Gbit/s is 32 ms: a burst cannot beat its link, nor should it take ages
+        assert 0.9 < pattern["ratio"] < 10, pattern
+    assert "| tf-push, host 0 <-> 2 PS tasks | 4.0 |" in done.stdout
+
+
+def test_link_check_refuses_a_host_count_below_two():
+    done = subprocess.run([sys.executable, "-m", "kparallax_bench.link_check", "--hosts", "1"], capture_output=True,
+                          text=True, timeout=120, check=False, cwd=ROOT)
+    assert done.returncode == 2 and "Received: --hosts=1" in done.stderr, done.stderr
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("process_sets", ["static", "dynamic"])
 def test_horovod_idle_reports_every_worker(process_sets, tmp_path):
     done = subprocess.run([sys.executable, "-m", "kparallax.launch", "--workers", "2", "--ps", "0", "--timeout", "120",
