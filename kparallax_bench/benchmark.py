@@ -68,9 +68,10 @@ def parse(argv=None):
                         help="RATE per host link (1gbit, 100mbit, ...) or 'unlimited': one namespace per worker")
     parser.add_argument("--timeout", type=float, default=900.0, help="per run")
     parser.add_argument("--profile", default=None,
-                        help="trace worker 0's timed steps with TensorFlow's profiler into DIR/<variant>@<workers>/ "
-                             "(summarize with python -m kparallax_bench.op_profile DIR); profiled runs are slower, "
-                             "so their throughput is not comparable with unprofiled ones")
+                        help="trace every worker's timed steps with TensorFlow's profiler into "
+                             "DIR/<variant>@<workers>/worker-<rank>/ (summarize with python -m "
+                             "kparallax_bench.op_profile DIR [--phases]); profiled runs are slower, so their "
+                             "throughput is not comparable with unprofiled ones")
     args = parser.parse_args(argv)
     if args.emulate_network:
         try:
