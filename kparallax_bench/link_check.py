@@ -49,21 +49,6 @@ while True:
 """
 
 _SENDER = """
-import socket, sys, time
-conn = socket.create_connection((sys.argv[1], int(sys.argv[2])))
-size, rounds, idle = int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
-payload = size.to_bytes(8, "big") + b"x" * size
-for _ in range(rounds):
-    time.sleep(idle)
-    print("ready", flush=True)
-    sys.stdin.readline()
-    start = time.perf_counter()
-    conn.sendall(payload)
-    conn.recv(1)
-    print(time.perf_counter() - start, flush=True)
-"""
-
-_FAN_OUT = """
 import socket, sys, threading, time
 peers, port = sys.argv[1].split(","), int(sys.argv[2])
 size, rounds, idle = int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
@@ -84,6 +69,8 @@ for _ in range(rounds):
         thread.join()
     print(time.perf_counter() - start, flush=True)
 """
+
+ROW_BYTES = 512 * 4  # the rows _CLIENT moves: 512 float32
 
 _PS = """
 import json, sys
@@ -151,10 +138,10 @@ def parse(argv=None):
     return args
 
 
-def tcp_bursts(network, senders, nbytes, rounds, idle, port=9555, all_to_all=False):
-    """Seconds of each burst in which hosts ``senders`` each send ``nbytes`` to host 0 at once (the slowest); with
-    ``all_to_all``, every host of the network sends ``nbytes`` to every other host at once."""
-    hosts = range(network.hosts) if all_to_all else [0]
+def tcp_bursts(network, flows, nbytes, rounds, idle, port=9555):
+    """Seconds of each burst (the slowest sender's) in which every host ``h`` of ``flows`` ({sender host: [receiver
+    hosts]}) sends ``nbytes`` to each of its receivers at once, one TCP connection per pair."""
+    hosts = sorted({r for receivers in flows.values() for r in receivers})
     receivers = [subprocess.Popen(network.command(h, [sys.executable, "-c", _RECEIVER, network.address(h), str(port)]),
                                   stdout=subprocess.PIPE, text=True) for h in hosts]
     procs = []
@@ -162,15 +149,10 @@ def tcp_bursts(network, senders, nbytes, rounds, idle, port=9555, all_to_all=Fal
         for h, receiver in zip(hosts, receivers):
             if receiver.stdout.readline().strip() != "listening":
                 raise RuntimeError(f"the TCP receiver on host {h} did not start")
-        if all_to_all:
-            procs = [subprocess.Popen(network.command(h, [
-                sys.executable, "-c", _FAN_OUT, ",".join(network.address(p) for p in hosts if p != h), str(port),
-                str(nbytes), str(rounds), str(idle)]), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-                for h in hosts]
-        else:
-            procs = [subprocess.Popen(network.command(i, [sys.executable, "-c", _SENDER, network.address(0), str(port),
-                                                          str(nbytes), str(rounds), str(idle)]),
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for i in senders]
+        procs = [subprocess.Popen(network.command(h, [
+            sys.executable, "-c", _SENDER, ",".join(network.address(r) for r in to), str(port), str(nbytes),
+            str(rounds), str(idle)]), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            for h, to in flows.items()]
         bursts = []
         for _ in range(rounds):
             for proc in procs:
@@ -187,15 +169,14 @@ def tcp_bursts(network, senders, nbytes, rounds, idle, port=9555, all_to_all=Fal
             proc.wait()
 
 
-def tf_bursts(network, ps, nbytes, rounds, idle, port=9600, timeout=300):
-    """{"tf-push": seconds, "tf-pull": seconds} of a client on host 0 moving ``nbytes`` to/from each of ``ps`` PS
-    servers (hosts 1..ps) per burst."""
+def tf_bursts(network, ps, rows, rounds, idle, port=9600, timeout=300):
+    """{"tf-push": seconds, "tf-pull": seconds} of a client on host 0 moving ``rows`` rows of ``ROW_BYTES`` to/from
+    each of ``ps`` PS servers (hosts 1..ps) per burst."""
     cluster = {"worker": [f"{network.address(0)}:{port}"],
                "ps": [f"{network.address(i)}:{port}" for i in range(1, ps + 1)]}
     servers = [subprocess.Popen(network.command(i + 1, [sys.executable, "-c", _PS, json.dumps(cluster), str(i)]),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(ps)]
     try:
-        rows = max(int(nbytes // (512 * 4)), 1)
         done = subprocess.run(network.command(0, [sys.executable, "-c", _CLIENT, json.dumps(cluster), str(rows),
                                                   str(rounds), str(idle)]),
                               capture_output=True, text=True, timeout=timeout,
@@ -210,23 +191,25 @@ def tf_bursts(network, ps, nbytes, rounds, idle, port=9600, timeout=300):
 
 
 def run(hosts, rate_bits, mb, rounds, idle):
-    """[{"pattern", "median_ms", "floor_ms", "ratio", "bursts_ms"}] for the four patterns (see the module doc)."""
-    network = netem.Network(hosts, rate=rate_bits, net=os.getpid() % 200 + 20)
+    """[{"pattern", "bytes", "median_ms", "floor_ms", "ratio", "bursts_ms"}] for the five patterns (see the module
+    doc)."""
+    network = netem.Network(hosts, rate=rate_bits)
     reason = network.up()
     if reason:
         raise RuntimeError(f"link_check needs an emulated network: {reason}")
     peers = hosts - 1
-    nbytes = int(mb * 1e6)
+    share = int(mb * 1e6) // peers  # bytes per sender (TCP) or per PS task (TensorFlow)
+    rows = max(share // ROW_BYTES, 1)
     try:
-        patterns = [("tcp, 1 flow from host 1", tcp_bursts(network, [1], nbytes, rounds, idle), nbytes),
+        patterns = [("tcp, 1 flow from host 1", tcp_bursts(network, {1: [0]}, share * peers, rounds, idle),
+                     share * peers),
                     (f"tcp, {peers} flows into host 0 at once",
-                     tcp_bursts(network, range(1, hosts), nbytes // peers, rounds, idle), nbytes // peers * peers),
+                     tcp_bursts(network, {h: [0] for h in range(1, hosts)}, share, rounds, idle), share * peers),
                     (f"tcp, all to all: each of {hosts} hosts to each other at once",
-                     tcp_bursts(network, None, nbytes // peers, rounds, idle, all_to_all=True),
-                     nbytes // peers * peers)]
-        moved = (nbytes // peers // 2048) * 2048 * peers  # whole rows of 512 float32
-        for name, seconds in tf_bursts(network, peers, nbytes // peers, rounds, idle).items():
-            patterns.append((f"{name}, host 0 <-> {peers} PS tasks", seconds, moved))
+                     tcp_bursts(network, {h: [r for r in range(hosts) if r != h] for h in range(hosts)}, share,
+                                rounds, idle), share * peers)]
+        for name, seconds in tf_bursts(network, peers, rows, rounds, idle).items():
+            patterns.append((f"{name}, host 0 <-> {peers} PS tasks", seconds, rows * ROW_BYTES * peers))
     finally:
         network.down()
     out = []

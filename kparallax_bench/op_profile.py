@@ -202,7 +202,7 @@ def step_phases(by_worker, marks=None):
 def phases(directory):
     """{label: ``step_phases``} for every ``DIR/<label>/`` holding ``worker-<rank>/`` traces."""
     result = {}
-    for label in sorted(os.listdir(directory)):
+    for label, _ in _run_dirs(directory):
         workers = sorted(glob.glob(os.path.join(directory, label, "worker-*")))
         if not workers:
             continue

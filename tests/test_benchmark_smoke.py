@@ -79,8 +79,8 @@ def test_bad_arguments_are_named():
 
 @pytest.mark.multiprocess
 def test_link_check_bursts_are_limited_by_the_emulated_links(tmp_path):
-    """kparallax_bench.link_check on 3 emulated 1 Gbit/s hosts: raw TCP (one flow, an incast of two) and TensorFlow's
-    push and pull to two PS servers, each burst no faster than its bytes allow at the link rate."""
+    """kparallax_bench.link_check on 3 emulated 1 Gbit/s hosts: raw TCP (one flow, an incast of two, all to all) and
+    TensorFlow's push and pull to two PS servers, each burst no faster than its bytes allow at the link rate."""
     out = tmp_path / "links.json"
     done = subprocess.run([sys.executable, "-m", "kparallax_bench.link_check", "--hosts", "3", "--rate", "1gbit",
                            "--mb", "4", "--rounds", "2", "--idle", "0.2", "--json", str(out)],
