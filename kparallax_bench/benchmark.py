@@ -173,6 +173,10 @@ class LocalHosts:
     def sent_bytes():
         return netem.loopback_sent_bytes()
 
+    @staticmethod
+    def link_bytes():
+        return None  # one loopback: no host links
+
     def serve(self, coordinator):
         self._served.append(coordinator)
 
@@ -204,6 +208,9 @@ class EmulatedHosts(LocalHosts):
     def sent_bytes(self):
         return self.network.sent_bytes()
 
+    def link_bytes(self):
+        return self.network.link_bytes()
+
 
 class Marks:
     """Worker 0 (or the tf-pss chief) writes ``start``/``stop`` lines to a FIFO around the timed steps; the driver
@@ -212,7 +219,7 @@ class Marks:
 
     def __init__(self, path, hosts):
         os.mkfifo(path)
-        self.path, self._hosts, self.seen, self.cpu = path, hosts, {}, {}
+        self.path, self._hosts, self.seen, self.cpu, self.links = path, hosts, {}, {}, {}
         self._fd = os.open(path, os.O_RDWR)  # never EOF: writers come and go
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -226,10 +233,11 @@ class Marks:
             *lines, pending = pending.split(b"\n")
             for line in lines:
                 self.seen[line.decode()] = self._hosts.sent_bytes()
+                self.links[line.decode()] = self._hosts.link_bytes()
                 self.cpu[line.decode()] = cpu.snapshot()
 
     def reset(self):
-        self.seen, self.cpu = {}, {}
+        self.seen, self.cpu, self.links = {}, {}, {}
 
     def cpu_seconds(self):
         """CPU-seconds by role between the last start and stop marks (``cpu.diff``), or {}."""
@@ -240,6 +248,14 @@ class Marks:
         if "start" not in self.seen or "stop" not in self.seen:
             return None
         return self.seen["stop"] - self.seen["start"]
+
+    def busiest_link(self):
+        """The most bytes one host link carried in one direction between the last start and stop marks, or None
+        (loopback runs; runs without both marks)."""
+        start, stop = self.links.get("start"), self.links.get("stop")
+        if not start or not stop:
+            return None
+        return max(b - a for before, after in zip(start, stop) for a, b in zip(before, after))
 
 
 def run_once(variant, workers, args, hosts, marks, tmp):
@@ -273,6 +289,7 @@ def run_once(variant, workers, args, hosts, marks, tmp):
     if result["sent_bytes"] is None:
         raise RuntimeError(f"{variant}@{workers} did not mark its timed steps")
     result["cpu_seconds"] = marks.cpu_seconds()
+    result["busiest_link_bytes"] = marks.busiest_link()
     result["wall_seconds"] = time.monotonic() - started
     return result
 
@@ -317,23 +334,31 @@ def summarize(runs, variant, workers):
     measured = [r["sent_bytes"] / r["timed_steps"] / workers for r in runs]
     roles = sorted({k for r in runs for k in r.get("cpu_seconds", {})})
     cpu_per_step = {k: statistics.median(r["cpu_seconds"].get(k, 0.0) / r["timed_steps"] for r in runs) for k in roles}
+    busiest = [r["busiest_link_bytes"] / r["timed_steps"] for r in runs if r.get("busiest_link_bytes") is not None]
     return {"variant": variant, "workers": workers, "unit": first["shape"]["unit"] + "/s",
             "throughput": statistics.median(per_second), "throughput_min": min(per_second),
             "throughput_max": max(per_second), "ms_per_step": 1000 * statistics.median(medians),
             "bytes_per_step": statistics.median(measured), "floor_bytes_per_step": traffic.floor_bytes(first["shape"], variant, workers),
-            "cpu_seconds_per_step": cpu_per_step, "repeats": len(runs), "shape": first["shape"]}
+            "cpu_seconds_per_step": cpu_per_step, "repeats": len(runs), "shape": first["shape"],
+            "busiest_link_bytes_per_step": statistics.median(busiest) if busiest else None}
 
 
 def markdown(results, model):
+    """The results table; emulated runs add the busiest host link's bytes per step (one direction), which bound
+    the step from below at the link rate."""
+    links = any(e.get("busiest_link_bytes_per_step") is not None for e in results.values())
     lines = [f"| variant | workers | throughput ({next(iter(results.values()))['unit']}) [min-max] | ms/step | "
-             "bytes/step/worker (measured) | floor | measured/floor | CPU-s/step: workers+chief / PS / kernel / all |",
-             "|---|---|---|---|---|---|---|---|"]
+             "bytes/step/worker (measured) | floor | measured/floor | "
+             + ("busiest link MB/step | " if links else "") + "CPU-s/step: workers+chief / PS / kernel / all |",
+             "|---|---|---|---|---|---|---|" + ("---|" if links else "") + "---|"]
     for entry in results.values():
         ratio = entry["bytes_per_step"] / entry["floor_bytes_per_step"] if entry["floor_bytes_per_step"] else float("nan")
+        busiest = entry.get("busiest_link_bytes_per_step")
+        link_cell = ("-" if busiest is None else f"{busiest / 1e6:.2f}") + " | " if links else ""
         lines.append(f"| {entry['variant']} | {entry['workers']} | {entry['throughput']:.0f} "
                      f"[{entry['throughput_min']:.0f}-{entry['throughput_max']:.0f}] | {entry['ms_per_step']:.1f} | "
                      f"{entry['bytes_per_step'] / 1e6:.2f} MB | {entry['floor_bytes_per_step'] / 1e6:.2f} MB | "
-                     f"{ratio:.2f} | {_cpu_cell(entry.get('cpu_seconds_per_step', {}))} |")
+                     f"{ratio:.2f} | {link_cell}{_cpu_cell(entry.get('cpu_seconds_per_step', {}))} |")
     return f"Model {model}\n\n" + "\n".join(lines)
 
 

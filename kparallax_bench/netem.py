@@ -5,7 +5,8 @@ bridge in the root namespace (the bridge holds ``gateway`` = 10.78.<net>.254, so
 With a ``rate`` (e.g. ``"1gbit"``), both directions of every host's link are limited by a token bucket (``tc tbf``
 on the host side for what it sends, on the bridge port for what it receives), like one NIC per machine on a switch.
 This machine's host name resolves to the host's own address inside each namespace (``/etc/netns/<ns>/hosts``), as
-on a real host. ``sent_bytes()`` reads what all hosts put on the wire (the bridge ports' receive counters); traffic
+on a real host. ``sent_bytes()`` reads what all hosts put on the wire (the bridge ports' receive counters),
+``link_bytes()`` each host link's two directions (the busiest one bounds a step from below); traffic
 between processes of the same host stays on its loopback and is not counted, as on a real cluster.
 
 Needs root (``ip netns``) and ``tc``; ``up()`` returns the reason when it cannot build the network.
@@ -99,11 +100,18 @@ class Network:
 
     def sent_bytes(self):
         """Bytes all hosts have sent on their links so far (read from the bridge ports)."""
-        total = 0
+        return sum(sent for sent, _ in self.link_bytes())
+
+    def link_bytes(self):
+        """(sent, received) bytes so far of each host's link, in host order (the bridge port's rx and tx)."""
+        counts = []
         for port in self.ports:
-            with open(f"/sys/class/net/{port}/statistics/rx_bytes", encoding="utf-8") as f:
-                total += int(f.read())
-        return total
+            pair = []
+            for counter in ("rx_bytes", "tx_bytes"):
+                with open(f"/sys/class/net/{port}/statistics/{counter}", encoding="utf-8") as f:
+                    pair.append(int(f.read()))
+            counts.append(tuple(pair))
+        return counts
 
 
 def loopback_sent_bytes():

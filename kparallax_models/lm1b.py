@@ -82,11 +82,6 @@ class LSTMProjectionCell(tf.keras.layers.Layer):
         return {**super().get_config(), "units": self.units, "projection_dim": self.projection_dim}
 
 
-def _shards(table):
-    """A table (or the shards of a partitioned one) as embedding_lookup expects it."""
-    return list(table.variables) if hasattr(table, "variables") and not isinstance(table, tf.Variable) else table
-
-
 def log_uniform_candidates(labels, num_sampled, vocab_size, seed):
     """``num_sampled`` distinct ids drawn from the log-uniform (Zipf) distribution, as a function of ``seed`` only.
 
@@ -146,8 +141,8 @@ def sampled_softmax_loss(weights, biases, targets, hidden, candidates):
     hidden = tf.reshape(hidden, [-1, hidden.shape[-1]])
     sampled, true_expected, sampled_expected = candidates
     ids = tf.concat([labels[:, 0], sampled], axis=0)
-    rows = tf.nn.embedding_lookup(_shards(weights), ids)
-    bias = tf.nn.embedding_lookup(_shards(biases), ids)[:, 0]
+    rows = tf.nn.embedding_lookup(weights, ids)
+    bias = tf.nn.embedding_lookup(biases, ids)[:, 0]
     batch = tf.shape(labels)[0]
     # tf.split, not rows[:batch] / rows[batch:]: the gradient of a split is one concat, where two slices' gradients
     # are two zero-padded [batch + num_sampled, P] tensors and their sum (measured: 10% of a worker's op time).

@@ -1,7 +1,9 @@
 """Keras under a HybridStrategy: hooks bound per model instance when it is compiled inside ``scope()``.
 
-Process-wide, only ``tf.keras.Model.compile`` is wrapped (``install()``, once): outside any scope it calls Keras
-unchanged (in a multi-worker job, that model's ``fit`` is refused: each worker would train alone). Compiled inside a
+Process-wide, ``tf.keras.Model.compile`` is wrapped (``install()``, once): outside any scope it calls Keras
+unchanged (in a multi-worker job, that model's ``fit`` is refused: each worker would train alone). So are
+``Model.get_weights``/``set_weights``, for models not compiled yet: a model holding a partitioned table presents it
+whole from its creation on (every other model gets Keras' methods unchanged). Compiled inside a
 scope, the model gets its own ``fit``, ``evaluate``, ``predict``, ``get_weights``, ``set_weights``,
 ``make_train_function`` (``steps_per_execution``) and the savers of ``saving.py`` (instance attributes bound to this
 model; every other model keeps Keras' methods), and a layer that holds a PS variable gets its own
@@ -92,6 +94,33 @@ def install(strategy):
         return _compile(self, *args, **kwargs)
 
     keras_compat.Model.compile = compile
+    for name, whole in (("get_weights", _layer_get_weights), ("set_weights", _layer_set_weights)):
+        setattr(keras_compat.Model, name, _whole_tables_before_compile(getattr(keras_compat.Model, name), whole))
+
+
+def _whole_tables_before_compile(original, whole):
+    """``Model.get_weights``/``set_weights`` presenting partitioned tables whole (``whole``) for a model holding one
+    (compiled models have their own bound methods); Keras' ``original`` otherwise, and inside ``whole`` itself."""
+
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+        if not getattr(_LOCAL, "in_weights", False):
+            for strategy in list(_STRATEGIES):
+                if any(strategy.registry.table_of(v) for v in self.weights):
+                    return whole(strategy, self, *args, **kwargs)
+        return original(self, *args, **kwargs)
+    return method
+
+
+@contextlib.contextmanager
+def _keras_weights():
+    """Inside, ``Model.get_weights``/``set_weights`` are Keras' own (the shards as weights)."""
+    before = getattr(_LOCAL, "in_weights", False)
+    _LOCAL.in_weights = True
+    try:
+        yield
+    finally:
+        _LOCAL.in_weights = before
 
 
 def _bind_method(obj, name, function, *extra):
@@ -291,7 +320,8 @@ def _run_quietly_on_workers(original, model, *args, **kwargs):
 
 
 def _layer_get_weights(strategy, layer):
-    values = original_method(layer, "get_weights")(layer)
+    with _keras_weights():
+        values = original_method(layer, "get_weights")(layer)
     variables = layer.weights
     table_of = strategy.registry.table_of
     if len(variables) != len(values) or not any(table_of(v) for v in variables):
@@ -308,7 +338,8 @@ def _layer_set_weights(strategy, layer, weights):
     if any(table_of(v) for v in variables) and len(weights) == tables.whole_weight_count(variables, table_of):
         weights = tables.split_weights(variables, weights, table_of)
     if strategy.is_chief or len(weights) != len(variables):
-        return original_method(layer, "set_weights")(layer, weights)
+        with _keras_weights():
+            return original_method(layer, "set_weights")(layer, weights)
     pairs = []
     for variable, value in zip(variables, weights):
         if tuple(variable.shape) != tuple(getattr(value, "shape", ())):

@@ -31,7 +31,8 @@ class Decision:
 
 
 def shard_rows(num_rows: int, partitions: int) -> Tuple[int, ...]:
-    """Row counts of ``partitions`` shards, the first ``num_rows % partitions`` one row larger ("div" split)."""
+    """Row counts of ``partitions`` shards (stripes: shard i holds rows i, i + P, ...), the first
+    ``num_rows % partitions`` one row larger."""
     base, extra = divmod(num_rows, partitions)
     return tuple(base + (1 if i < extra else 0) for i in range(partitions))
 

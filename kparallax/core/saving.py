@@ -47,7 +47,7 @@ def _whole_tables(strategy, model):
     wholes = []
     with _plain_variables(), tf.init_scope():
         for table in swaps:
-            value = tf.concat([s.read_value() for s in table.shards], 0)
+            value = table.sharded.whole()
             wholes.append(tf.Variable(value, trainable=table.shards[0].trainable, name=table.path.split("/")[-1]))
     for table, whole in zip(swaps, wholes):
         keras_compat.replace_weights(model, table.shards, table.sharded, [whole], whole)
@@ -73,9 +73,6 @@ def load_weights(original, strategy, model, *args, **kwargs):
         result = original(model, *args, **kwargs)
         if strategy.is_chief:
             for table, whole in swaps:
-                value, start = whole.read_value(), 0
-                for shard in table.shards:
-                    shard.assign(value[start:start + shard.shape[0]])
-                    start += shard.shape[0]
+                table.sharded.assign(whole.read_value())
     tf_compat.async_wait()
     return result

@@ -209,18 +209,16 @@ class HybridStrategy:
         return table.sharded
 
     def _create_shards(self, table, rows, ps_tasks, whole_value, trainable, constraint):
-        shards, start = [], 0
+        shards = []
         row_shape = list(table.shape[1:])
         for i, (count, task) in enumerate(zip(rows, ps_tasks)):
             shard_path = f"{table.path}/part_{i}_of_{len(rows)}"
             if table.generation:
                 shard_path += f"_g{table.generation}"
-            begin, end = start, start + count
             shards.append(self._registry.create(shard_path, [count] + row_shape, table.dtype,
-                                                lambda b=begin, e=end: whole_value()[b:e], task, trainable=trainable,
+                                                lambda i=i: whole_value()[i::len(rows)], task, trainable=trainable,
                                                 constraint=constraint, table=table, shard=i))
             shards[-1].read_policy = cached_reads.policy
-            start = end
         table.shards, table.sharded = shards, tables.make_sharded(table.path, shards)
 
     def repartition(self, table, partitions, model):
@@ -238,7 +236,7 @@ class HybridStrategy:
         first = self._registry.entry(old_shards[0]).task
         tasks = [(first + i) % self._cluster.num_ps for i in range(partitions)]
         table.generation += 1
-        whole = _whole_value(lambda: tf.concat([s.read_value() for s in old_shards], 0), table.dtype)
+        whole = _whole_value(old_sharded.whole, table.dtype)
         self._create_shards(table, rows, tasks, whole, old_shards[0].trainable, old_shards[0].constraint)
         if self.is_chief:
             for clones in self._clones:

@@ -1,9 +1,9 @@
 """Embedding tables split row-wise into shards on several PS tasks.
 
-A partitioned table is a ``ShardedVariable`` (TensorFlow's container for row shards): ``tf.nn.embedding_lookup``
-on it gathers from the shards that own the ids only ("div" split: shard i holds a contiguous block of rows, the
-first ``V % P`` shards one row more), and each shard receives its own IndexedSlices gradient, so lookups and
-updates touch only the owning shards. Keras lists the shards as the layer's weights (as under TensorFlow's
+A partitioned table is a ``StripedVariable`` (``_compat/striped.py``, a ``ShardedVariable`` whose shard i of P
+holds rows i, i + P, i + 2P, ...: a frequency-sorted vocabulary's hot rows spread evenly over the PS tasks).
+``tf.nn.embedding_lookup`` on it gathers from the shards that own the ids only, and each shard receives its own
+IndexedSlices gradient, so lookups and updates touch only the owning shards. Keras lists the shards as the layer's weights (as under TensorFlow's
 ParameterServerStrategy); ``get_weights``/``set_weights`` of the layers and models holding one are bound per
 instance (``keras_hooks``) to present each table whole, with these functions. ``table_of(variable)`` is the
 registry's: (Table, shard index) for a shard, else None.
@@ -15,7 +15,7 @@ from typing import List, Tuple
 import numpy as np
 import tensorflow as tf
 
-from kparallax._compat import tf as tf_compat
+from kparallax._compat import striped
 
 
 @dataclasses.dataclass
@@ -25,12 +25,26 @@ class Table:
     shape: Tuple[int, ...]
     dtype: tf.DType
     shards: List[tf.Variable]
-    sharded: object  # the ShardedVariable handed to Keras
+    sharded: object  # the StripedVariable handed to Keras
     generation: int = 0
 
 
 def make_sharded(table_path, shards):
-    return tf_compat.ShardedVariable(list(shards), name=table_path)
+    return striped.StripedVariable(list(shards), name=table_path)
+
+
+def stripe(whole, partitions):
+    """The ``partitions`` shards' values of a whole table (an array or tensor): shard i is rows i, i + P, ...."""
+    return [whole[i::partitions] for i in range(partitions)]
+
+
+def unstripe(parts):
+    """Inverse of ``stripe`` for arrays: the whole table from its shards' values, rows in table order."""
+    parts = [np.asarray(p) for p in parts]
+    whole = np.empty((sum(len(p) for p in parts),) + parts[0].shape[1:], parts[0].dtype)
+    for i, part in enumerate(parts):
+        whole[i::len(parts)] = part
+    return whole
 
 
 def merge_weights(variables, values, table_of):
@@ -42,8 +56,8 @@ def merge_weights(variables, values, table_of):
         if owner is None:
             out.append(value)
         elif owner[1] == 0:
-            out.append(np.concatenate([values[position[id(s)]] if id(s) in position else s.numpy()
-                                       for s in owner[0].shards], axis=0))
+            out.append(unstripe([values[position[id(s)]] if id(s) in position else s.numpy()
+                                 for s in owner[0].shards]))
     return out
 
 
@@ -62,8 +76,7 @@ def split_weights(variables, values, table_of):
             if tuple(whole.shape) != tuple(table.shape):
                 raise ValueError(f"Weight for partitioned table {table.path!r} has shape {whole.shape}, expected "
                                  f"{tuple(table.shape)} (the whole table). Received: shape={whole.shape}.")
-            bounds = np.cumsum([0] + [int(s.shape[0]) for s in table.shards])
-            pending[id(table)] = [whole[bounds[i]:bounds[i + 1]] for i in range(len(table.shards))]
+            pending[id(table)] = stripe(whole, len(table.shards))
         expanded.append(pending[id(table)][index])
     return expanded
 
@@ -76,13 +89,13 @@ def join_row_state(shards, states):
     """Joins per-shard optimizer state into per-table arrays.
 
     ``states[i]`` lists shard i's optimizer variables (same order for every shard). Row-shaped ones (slots shaped
-    like their shard) are concatenated over shards; the others (``iterations``, ...) are taken from shard 0.
+    like their shard) are joined over shards into table order; the others (``iterations``, ...) are taken from shard 0.
     """
     joined = []
     for j in range(len(states[0])):
         parts = [state[j] for state in states]
         if all(p.shape.rank and p.shape == s.shape for p, s in zip(parts, shards)):
-            joined.append(np.concatenate([p.numpy() for p in parts], axis=0))
+            joined.append(unstripe([p.numpy() for p in parts]))
         else:
             joined.append(parts[0].numpy())
     return joined
@@ -90,11 +103,10 @@ def join_row_state(shards, states):
 
 def split_row_state(shards, states, joined):
     """Inverse of ``join_row_state``: assigns each joined array to the optimizer variables of ``shards``."""
-    bounds = np.cumsum([0] + [int(s.shape[0]) for s in shards])
     for j, value in enumerate(joined):
         for i, state in enumerate(states):
             row_shaped = state[j].shape.rank and state[j].shape == shards[i].shape
-            part = value[bounds[i]:bounds[i + 1]] if row_shaped and np.ndim(value) else value
+            part = value[i::len(shards)] if row_shaped and np.ndim(value) else value
             if tuple(state[j].shape) != tuple(np.shape(part)):
                 raise ValueError(f"Optimizer state {j} of a table has shape {np.shape(value)}, which does not fit "
                                  f"{state[j].shape}: was it written for another model or optimizer? "
