@@ -27,6 +27,7 @@ from kparallax._compat import keras as keras_compat
 from kparallax._compat import tf as tf_compat
 from kparallax.core import keras_hooks
 from kparallax.core import resume
+from kparallax.core import tables
 from kparallax.step import collectives
 
 POINTER = "checkpoint.json"
@@ -174,11 +175,9 @@ def restore(strategy, model, path, continue_fit=False):
             if tuple(np.shape(value)) != whole:
                 raise ValueError(f"Checkpoint {path}: {variables[0].name} has shape {np.shape(value)} there but "
                                  f"{whole} in the model (another vocabulary or model size?). Received: {path}.")
-            start = 0
-            for variable in variables:
-                rows = int(variable.shape[0]) if len(variables) > 1 else None
-                variable.assign(value[start:start + rows] if rows is not None else value)
-                start += rows or 0
+            parts = tables.stripe(value, len(variables)) if len(variables) > 1 else [value]
+            for variable, part in zip(variables, parts):
+                variable.assign(part)
         if meta["dense_optimizer_variables"]:
             keras_compat.build_optimizer(model.optimizer, _dense_variables(strategy, model))
             state = keras_compat.optimizer_variables(model.optimizer)
