@@ -232,8 +232,9 @@ class Marks:
                 return
             *lines, pending = pending.split(b"\n")
             for line in lines:
-                self.seen[line.decode()] = self._hosts.sent_bytes()
-                self.links[line.decode()] = self._hosts.link_bytes()
+                links = self._hosts.link_bytes()  # one snapshot for both: the total and the busiest link agree
+                self.seen[line.decode()] = sum(sent for sent, _ in links) if links else self._hosts.sent_bytes()
+                self.links[line.decode()] = links
                 self.cpu[line.decode()] = cpu.snapshot()
 
     def reset(self):

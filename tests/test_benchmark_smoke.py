@@ -52,9 +52,10 @@ def test_emulated_network_measures_link_bytes_and_feeds_the_projection(tmp_path)
         "kparallax-hybrid@2", "horovod@2", "tf-pss@2"}
     for entry in report["variants"].values():   # host 0 -> host 1 traffic is on the links (not loopback)
         assert entry["bytes_per_step"] > 0.5 * entry["floor_bytes_per_step"] > 0, entry
-        # Of 2 hosts' links, the busier direction carries at least half of all bytes sent, and at most all of them.
+        # Of 2 hosts' links (one counter snapshot per mark), the busier sending direction carries at least half of
+        # all bytes sent; a receiving direction carries what the other host sent, plus a little from this machine.
         total = entry["bytes_per_step"] * entry["workers"]
-        assert total / 2 <= entry["busiest_link_bytes_per_step"] <= total, entry
+        assert total / 2 <= entry["busiest_link_bytes_per_step"] <= 1.05 * total, entry
     projected = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "project_scaling.py"), "--bench",
                                 str(out), "--validate", str(out), "--json", str(tmp_path / "p.json")],
                                capture_output=True, text=True, timeout=300, check=False)
