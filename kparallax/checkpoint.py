@@ -24,10 +24,10 @@ import tensorflow as tf
 from kparallax import log as logging
 
 from kparallax._compat import keras as keras_compat
+from kparallax._compat import striped
 from kparallax._compat import tf as tf_compat
 from kparallax.core import keras_hooks
 from kparallax.core import resume
-from kparallax.core import tables
 from kparallax.step import collectives
 
 POINTER = "checkpoint.json"
@@ -175,7 +175,7 @@ def restore(strategy, model, path, continue_fit=False):
             if tuple(np.shape(value)) != whole:
                 raise ValueError(f"Checkpoint {path}: {variables[0].name} has shape {np.shape(value)} there but "
                                  f"{whole} in the model (another vocabulary or model size?). Received: {path}.")
-            parts = tables.stripe(value, len(variables)) if len(variables) > 1 else [value]
+            parts = striped.stripe(value, len(variables)) if len(variables) > 1 else [value]
             for variable, part in zip(variables, parts):
                 variable.assign(part)
         if meta["dense_optimizer_variables"]:

@@ -9,7 +9,6 @@ import pytest
 import tensorflow as tf
 
 from kparallax._compat import striped
-from kparallax.core import tables
 
 V, D, P = 11, 3, 3  # 11 rows in 3 stripes of 4, 4 and 3 rows
 WHOLE = np.arange(V * D, dtype=np.float32).reshape(V, D)
@@ -17,7 +16,7 @@ IDS = np.array([10, 0, 4, 4, 7, 2])
 
 
 def _table(value=WHOLE, name="table"):
-    return striped.StripedVariable([tf.Variable(part) for part in tables.stripe(value, P)], name=name)
+    return striped.StripedVariable([tf.Variable(part) for part in striped.stripe(value, P)], name=name)
 
 
 def test_shards_hold_stripes_and_every_whole_view_is_in_table_order():
@@ -29,7 +28,7 @@ def test_shards_hold_stripes_and_every_whole_view_is_in_table_order():
     np.testing.assert_array_equal(table[2:5].numpy(), WHOLE[2:5])
     np.testing.assert_array_equal((table * 2).numpy(), WHOLE * 2)
     np.testing.assert_array_equal(table.sparse_read(IDS).numpy(), WHOLE[IDS])
-    np.testing.assert_array_equal(tables.unstripe([s.numpy() for s in table.variables]), WHOLE)
+    np.testing.assert_array_equal(striped.unstripe([s.numpy() for s in table.variables]), WHOLE)
 
 
 def test_every_embedding_lookup_form_reads_table_rows():

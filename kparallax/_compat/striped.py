@@ -21,6 +21,7 @@ registry and ``saveable_object``.
 import collections.abc
 import typing
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import sharded_variable as _sharded
 from tensorflow.python.framework import tensor_conversion_registry as _conversion
@@ -31,16 +32,28 @@ from tensorflow.python.trackable import base as _trackable
 from tensorflow.python.util import dispatch as _dispatch
 
 
-def shard_rows(num_rows, partitions):
-    """Row counts of the ``partitions`` stripes of ``num_rows`` rows (the first ``num_rows % partitions`` one row
-    larger)."""
-    base, extra = divmod(num_rows, partitions)
-    return tuple(base + (1 if i < extra else 0) for i in range(partitions))
+def stripe_rows(num_rows, partitions):
+    """Row counts of the ``partitions`` stripes of a ``num_rows``-row table."""
+    return tuple(len(range(i, num_rows, partitions)) for i in range(partitions))
 
 
-def row_ids(num_rows, partitions, shard):
-    """The table rows stripe ``shard`` holds, in its order (a range)."""
-    return range(shard, num_rows, partitions)
+def stripe_of(whole, shard, partitions):
+    """Stripe ``shard`` of ``partitions`` of a whole table (an array or tensor): rows shard, shard + P, ...."""
+    return whole[shard::partitions]
+
+
+def stripe(whole, partitions):
+    """The ``partitions`` stripes of a whole table (an array or tensor), in shard order."""
+    return [stripe_of(whole, i, partitions) for i in range(partitions)]
+
+
+def unstripe(parts):
+    """Inverse of ``stripe`` for arrays: the whole table from its stripes' values, rows in table order."""
+    parts = [np.asarray(p) for p in parts]
+    whole = np.empty((sum(len(p) for p in parts),) + parts[0].shape[1:], parts[0].dtype)
+    for i, part in enumerate(parts):
+        whole[i::len(parts)] = part
+    return whole
 
 
 class Stripes(tuple):
@@ -56,7 +69,7 @@ class StripedVariable(_sharded.ShardedVariable):
     """A ``ShardedVariable`` whose shard ``i`` of ``P`` holds rows ``i, i + P, ...`` of the table.
 
     Args:
-      variables: the shards, in stripe order; shard ``i`` has ``shard_rows(V, P)[i]`` rows.
+      variables: the shards, in stripe order; shard ``i`` has ``stripe_rows(V, P)[i]`` rows.
       name: the table's name.
     """
 
@@ -64,8 +77,8 @@ class StripedVariable(_sharded.ShardedVariable):
         super().__init__(variables, name=name)
         rows, parts = int(self.shape[0]), len(self._variables)
         got = tuple(int(v.shape[0]) for v in self._variables)
-        if got != shard_rows(rows, parts):
-            raise ValueError(f"The stripes of a {rows}-row table in {parts} shards have {shard_rows(rows, parts)} "
+        if got != stripe_rows(rows, parts):
+            raise ValueError(f"The stripes of a {rows}-row table in {parts} shards have {stripe_rows(rows, parts)} "
                              f"rows. Received: {got}.")
 
     @property
@@ -87,8 +100,7 @@ class StripedVariable(_sharded.ShardedVariable):
 
     def stripes(self, value):
         """``value`` (the whole table's shape) split into this table's stripes."""
-        value = tf.convert_to_tensor(value, dtype=self.dtype)
-        return [value[i::len(self._variables)] for i in range(len(self._variables))]
+        return stripe(tf.convert_to_tensor(value, dtype=self.dtype), len(self._variables))
 
     def numpy(self):
         return self.whole().numpy()

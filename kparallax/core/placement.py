@@ -12,6 +12,8 @@ import math
 import re
 from typing import Mapping, Optional, Tuple
 
+from kparallax._compat import striped
+
 PS = "ps"
 REPLICATED = "replicated"
 _RULE = re.compile(r"(ps|replicated)(?::([0-9]+))?")
@@ -31,10 +33,8 @@ class Decision:
 
 
 def shard_rows(num_rows: int, partitions: int) -> Tuple[int, ...]:
-    """Row counts of ``partitions`` shards (stripes: shard i holds rows i, i + P, ...), the first
-    ``num_rows % partitions`` one row larger."""
-    base, extra = divmod(num_rows, partitions)
-    return tuple(base + (1 if i < extra else 0) for i in range(partitions))
+    """Row counts of ``partitions`` shards: the stripes of ``striped`` (shard i holds rows i, i + P, ...)."""
+    return striped.stripe_rows(num_rows, partitions)
 
 
 def _parse_rule(pattern, value):

@@ -14,6 +14,7 @@ import tensorflow as tf
 from kparallax import log as logging
 
 from kparallax._compat import keras as keras_compat
+from kparallax._compat import striped
 from kparallax._compat import tf as tf_compat
 from kparallax.cluster import Cluster
 from kparallax.cluster import runtime
@@ -216,7 +217,7 @@ class HybridStrategy:
             if table.generation:
                 shard_path += f"_g{table.generation}"
             shards.append(self._registry.create(shard_path, [count] + row_shape, table.dtype,
-                                                lambda i=i: whole_value()[i::len(rows)], task, trainable=trainable,
+                                                lambda i=i: striped.stripe_of(whole_value(), i, len(rows)), task, trainable=trainable,
                                                 constraint=constraint, table=table, shard=i))
             shards[-1].read_policy = cached_reads.policy
         table.shards, table.sharded = shards, tables.make_sharded(table.path, shards)

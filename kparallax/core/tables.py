@@ -6,7 +6,8 @@ holds rows i, i + P, i + 2P, ...: a frequency-sorted vocabulary's hot rows sprea
 IndexedSlices gradient, so lookups and updates touch only the owning shards. Keras lists the shards as the layer's weights (as under TensorFlow's
 ParameterServerStrategy); ``get_weights``/``set_weights`` of the layers and models holding one are bound per
 instance (``keras_hooks``) to present each table whole, with these functions. ``table_of(variable)`` is the
-registry's: (Table, shard index) for a shard, else None.
+registry's: (Table, shard index) for a shard, else None. The layout itself (``stripe``, ``unstripe``,
+``stripe_rows``) is defined once, in ``striped``.
 """
 
 import dataclasses
@@ -33,20 +34,6 @@ def make_sharded(table_path, shards):
     return striped.StripedVariable(list(shards), name=table_path)
 
 
-def stripe(whole, partitions):
-    """The ``partitions`` shards' values of a whole table (an array or tensor): shard i is rows i, i + P, ...."""
-    return [whole[i::partitions] for i in range(partitions)]
-
-
-def unstripe(parts):
-    """Inverse of ``stripe`` for arrays: the whole table from its shards' values, rows in table order."""
-    parts = [np.asarray(p) for p in parts]
-    whole = np.empty((sum(len(p) for p in parts),) + parts[0].shape[1:], parts[0].dtype)
-    for i, part in enumerate(parts):
-        whole[i::len(parts)] = part
-    return whole
-
-
 def merge_weights(variables, values, table_of):
     """Given a layer's weight variables and their values, returns the values with each table's shards joined."""
     position = {id(v): i for i, v in enumerate(variables)}
@@ -56,7 +43,7 @@ def merge_weights(variables, values, table_of):
         if owner is None:
             out.append(value)
         elif owner[1] == 0:
-            out.append(unstripe([values[position[id(s)]] if id(s) in position else s.numpy()
+            out.append(striped.unstripe([values[position[id(s)]] if id(s) in position else s.numpy()
                                  for s in owner[0].shards]))
     return out
 
@@ -76,7 +63,7 @@ def split_weights(variables, values, table_of):
             if tuple(whole.shape) != tuple(table.shape):
                 raise ValueError(f"Weight for partitioned table {table.path!r} has shape {whole.shape}, expected "
                                  f"{tuple(table.shape)} (the whole table). Received: shape={whole.shape}.")
-            pending[id(table)] = stripe(whole, len(table.shards))
+            pending[id(table)] = striped.stripe(whole, len(table.shards))
         expanded.append(pending[id(table)][index])
     return expanded
 
@@ -95,7 +82,7 @@ def join_row_state(shards, states):
     for j in range(len(states[0])):
         parts = [state[j] for state in states]
         if all(p.shape.rank and p.shape == s.shape for p, s in zip(parts, shards)):
-            joined.append(unstripe([p.numpy() for p in parts]))
+            joined.append(striped.unstripe([p.numpy() for p in parts]))
         else:
             joined.append(parts[0].numpy())
     return joined
@@ -106,7 +93,7 @@ def split_row_state(shards, states, joined):
     for j, value in enumerate(joined):
         for i, state in enumerate(states):
             row_shaped = state[j].shape.rank and state[j].shape == shards[i].shape
-            part = value[i::len(shards)] if row_shaped and np.ndim(value) else value
+            part = striped.stripe_of(value, i, len(shards)) if row_shaped and np.ndim(value) else value
             if tuple(state[j].shape) != tuple(np.shape(part)):
                 raise ValueError(f"Optimizer state {j} of a table has shape {np.shape(value)}, which does not fit "
                                  f"{state[j].shape}: was it written for another model or optimizer? "
