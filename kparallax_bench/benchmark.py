@@ -170,12 +170,9 @@ class LocalHosts:
         return list(argv)
 
     @staticmethod
-    def sent_bytes():
-        return netem.loopback_sent_bytes()
-
-    @staticmethod
-    def link_bytes():
-        return None  # one loopback: no host links
+    def counters():
+        """(bytes sent so far, each host link's (sent, received) bytes or None): here one loopback, no links."""
+        return netem.loopback_sent_bytes(), None
 
     def serve(self, coordinator):
         self._served.append(coordinator)
@@ -205,11 +202,9 @@ class EmulatedHosts(LocalHosts):
     def command(self, index, argv):
         return self.network.command(index, argv)
 
-    def sent_bytes(self):
-        return self.network.sent_bytes()
-
-    def link_bytes(self):
-        return self.network.link_bytes()
+    def counters(self):
+        links = self.network.link_bytes()  # one snapshot for both: the total and the busiest link agree
+        return self.network.sent_bytes(links), links
 
 
 class Marks:
@@ -232,9 +227,7 @@ class Marks:
                 return
             *lines, pending = pending.split(b"\n")
             for line in lines:
-                links = self._hosts.link_bytes()  # one snapshot for both: the total and the busiest link agree
-                self.seen[line.decode()] = sum(sent for sent, _ in links) if links else self._hosts.sent_bytes()
-                self.links[line.decode()] = links
+                self.seen[line.decode()], self.links[line.decode()] = self._hosts.counters()
                 self.cpu[line.decode()] = cpu.snapshot()
 
     def reset(self):

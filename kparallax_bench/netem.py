@@ -5,8 +5,8 @@ bridge in the root namespace (the bridge holds ``gateway`` = 10.78.<net>.254, so
 With a ``rate`` (e.g. ``"1gbit"``), both directions of every host's link are limited by a token bucket (``tc tbf``
 on the host side for what it sends, on the bridge port for what it receives), like one NIC per machine on a switch.
 This machine's host name resolves to the host's own address inside each namespace (``/etc/netns/<ns>/hosts``), as
-on a real host. ``sent_bytes()`` reads what all hosts put on the wire (the bridge ports' receive counters),
-``link_bytes()`` each host link's two directions (the busiest one bounds a step from below); traffic
+on a real host. ``link_bytes()`` reads each host link's two directions from the bridge ports' counters (the busiest
+one bounds a step from below), ``sent_bytes(links)`` sums what all hosts put on the wire in such a snapshot; traffic
 between processes of the same host stays on its loopback and is not counted, as on a real cluster.
 
 Needs root (``ip netns``) and ``tc``; ``up()`` returns the reason when it cannot build the network.
@@ -98,9 +98,10 @@ class Network:
         """``argv`` run on host ``index``."""
         return ["ip", "netns", "exec", self.names[index]] + list(argv)
 
-    def sent_bytes(self):
-        """Bytes all hosts have sent on their links so far (read from the bridge ports)."""
-        return sum(sent for sent, _ in self.link_bytes())
+    @staticmethod
+    def sent_bytes(links):
+        """Bytes all hosts have sent on their links, from a ``link_bytes()`` snapshot."""
+        return sum(sent for sent, _ in links)
 
     def link_bytes(self):
         """(sent, received) bytes so far of each host's link, in host order (the bridge port's rx and tx)."""
