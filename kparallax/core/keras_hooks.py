@@ -104,9 +104,10 @@ def _whole_tables_before_compile(original, whole):
 
     @functools.wraps(original)
     def method(self, *args, **kwargs):
-        if not getattr(_LOCAL, "in_weights", False):
+        if not getattr(_LOCAL, "in_weights", False) and _STRATEGIES:
+            weights = self.weights
             for strategy in list(_STRATEGIES):
-                if any(strategy.registry.table_of(v) for v in self.weights):
+                if any(strategy.registry.table_of(v) for v in weights):
                     return whole(strategy, self, *args, **kwargs)
         return original(self, *args, **kwargs)
     return method
