@@ -168,3 +168,40 @@ def test_fit_after_restore_continues_the_epoch_its_step_and_its_metric_averages(
         np.testing.assert_allclose(history.history[key], expected[key][1:], rtol=1e-5, err_msg=key)
     for got, want in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _constrained(name, constraint):
+    return tf.keras.Sequential([
+        tf.keras.Input((LEN,), dtype=tf.int32),
+        tf.keras.layers.Embedding(VOCAB, EMB, embeddings_constraint=constraint, name=f"{name}_embedding"),
+        tf.keras.layers.Flatten(),
+        tf.keras.layers.Dense(1, kernel_constraint=tf.keras.constraints.NonNeg(), name=f"{name}_out")], name=name)
+
+
+def test_row_wise_constraints_of_a_partitioned_table_train_like_plain_keras(strategy):
+    parted = kp.HybridStrategy(strategy.cluster, partitions=3)
+    binding = {"MaxNorm": lambda table: np.linalg.norm(table, axis=1).max() == pytest.approx(0.5),  # rows clipped
+               "NonNeg": lambda table: table.min() == 0.0}  # entries clipped
+    for constraint in (tf.keras.constraints.MaxNorm(0.5, axis=1), tf.keras.constraints.NonNeg()):
+        plain = _constrained("plain_constrained", constraint)
+        expected_loss = _train(plain, tf.keras.optimizers.Adam(0.05))
+        with parted.scope():
+            model = _constrained("fast_constrained", constraint)
+            loss = _train(model, tf.keras.optimizers.Adam(0.05))
+        assert len(model.get_layer("fast_constrained_embedding").weights) == 3  # the table is partitioned
+        for got, want in zip(model.get_weights(), plain.get_weights()):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+        assert binding[type(constraint).__name__](plain.get_layer("plain_constrained_embedding").get_weights()[0])
+
+
+@pytest.mark.parametrize("constraint", [tf.keras.constraints.MaxNorm(0.5), tf.keras.constraints.UnitNorm(axis=0),
+                                        lambda table: table / tf.reduce_max(table)], ids=["maxnorm", "unitnorm", "lambda"])
+def test_a_constraint_across_rows_of_a_partitioned_table_is_refused(strategy, constraint):
+    parted = kp.HybridStrategy(strategy.cluster, partitions=3)
+    with parted.scope(), pytest.raises(ValueError, match="may read across rows.*'ps:1'"):
+        _constrained("fast_spanning", constraint)
+    with kp.HybridStrategy(strategy.cluster, partitions=3,
+                           placement={"fast_whole_embedding/embeddings": "ps:1"}).scope():
+        model = _constrained("fast_whole", constraint)  # one piece: the constraint sees the whole table
+    assert len(model.get_layer("fast_whole_embedding").weights) == 1

@@ -199,6 +199,7 @@ class HybridStrategy:
             logging.info("placement: %s %s -> ps[%d] %s (%s)", path, shape.as_list(), decision.ps_task,
                          self._cluster.ps[decision.ps_task], decision.why)
             return variable
+        tables.check_constraint(path, constraint, shape.rank)
         table = tables.Table(path, tuple(shape.as_list()), tf.as_dtype(dtype), [], None)
         self._create_shards(table, decision.rows, decision.ps_tasks, _whole_value(initial_value, dtype),
                             trainable, constraint)

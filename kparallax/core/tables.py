@@ -34,6 +34,36 @@ def make_sharded(table_path, shards):
     return striped.StripedVariable(list(shards), name=table_path)
 
 
+def constraint_is_row_wise(constraint, rank):
+    """Whether ``constraint`` maps each row of a rank-``rank`` table independently of the other rows.
+
+    Then applying it to each shard gives the same table as applying it to the whole, as a single process does.
+    True for Keras' ``NonNeg`` and for ``MaxNorm`` / ``MinMaxNorm`` / ``UnitNorm`` whose ``axis`` excludes the rows'
+    axis 0 (the classes themselves, not subclasses); False for any other callable (kparallax cannot know what it
+    reads).
+    """
+    constraints = tf.keras.constraints
+    if constraint is None or type(constraint) is constraints.NonNeg:
+        return True
+    if type(constraint) in (constraints.MaxNorm, constraints.MinMaxNorm, constraints.UnitNorm) and rank > 1:
+        axes = constraint.axis if isinstance(constraint.axis, (list, tuple)) else [constraint.axis]
+        return all(isinstance(a, int) and a % rank != 0 for a in axes)
+    return False
+
+
+def check_constraint(path, constraint, rank):
+    """Refuses a constraint that may span rows on a table that is or may become partitioned."""
+    if not constraint_is_row_wise(constraint, rank):
+        config = getattr(constraint, "get_config", lambda: None)()
+        constraint = f"{type(constraint).__name__}({config or ''})" if config is not None else repr(constraint)
+        raise ValueError(
+            f"Table {path!r} is split into row shards, and its constraint {constraint} may read across rows: "
+            "kparallax applies a partitioned table's constraint to each shard on its own, which equals one process "
+            "only for row-wise constraints (NonNeg; MaxNorm, MinMaxNorm or UnitNorm with axis=1). "
+            f"Received: constraint={constraint}. Keep the table in one piece with placement={{{path!r}: 'ps:1'}}, "
+            "or use a row-wise constraint.")
+
+
 def merge_weights(variables, values, table_of):
     """Given a layer's weight variables and their values, returns the values with each table's shards joined."""
     position = {id(v): i for i, v in enumerate(variables)}
