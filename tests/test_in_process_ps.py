@@ -205,3 +205,27 @@ def test_a_constraint_across_rows_of_a_partitioned_table_is_refused(strategy, co
                            placement={"fast_whole_embedding/embeddings": "ps:1"}).scope():
         model = _constrained("fast_whole", constraint)  # one piece: the constraint sees the whole table
     assert len(model.get_layer("fast_whole_embedding").weights) == 1
+
+
+def test_use_ema_trains_like_plain_keras_when_replicated_and_is_refused_with_ps_variables(strategy):
+    optimizer = lambda: tf.keras.optimizers.SGD(0.1, use_ema=True, ema_overwrite_frequency=3)  # noqa: E731
+    plain = _model("plain_ema")
+    expected_loss = _train(plain, optimizer())
+    with kp.HybridStrategy(strategy.cluster, architecture="allreduce").scope():
+        replicated = _model("fast_ema_replicated")
+        loss = _train(replicated, optimizer())
+    for got, want in zip(replicated.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+    with strategy.scope():
+        model = _model("fast_ema")
+        with pytest.raises(ValueError, match="use_ema=True is not supported .* 'fast_ema_embedding/embeddings"):
+            _train(model, optimizer())
+
+
+def test_legacy_gradient_transformers_are_refused_for_ps_variables(strategy):
+    optimizer = tf.keras.optimizers.legacy.SGD(0.1, gradient_transformers=[lambda grads_and_vars: grads_and_vars])
+    with strategy.scope():
+        model = _model("fast_transformers")
+        with pytest.raises(ValueError, match="gradient_transformers cannot update PS variables"):
+            _train(model, optimizer)

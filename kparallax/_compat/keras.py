@@ -36,9 +36,38 @@ def optimizer_family(optimizer):
         f"Received: {type(optimizer).__name__} from module {type(optimizer).__module__}.")
 
 
-def clone_optimizer(optimizer):
-    """A fresh optimizer of the same class and hyper-parameters, never XLA-compiled (it updates on a PS device)."""
-    clone = type(optimizer).from_config(optimizer.get_config())
+def clipping(optimizer):
+    """The per-variable gradient clipping ``optimizer.apply_gradients`` does, in its order: a list of
+    ``("value", c)`` (``tf.clip_by_value(g, -c, c)``) and ``("norm", c)`` (``tf.clip_by_norm(g, c)``).
+
+    Keras 2.11+ optimizers clip by ``clipnorm`` if set, else by ``clipvalue``; legacy ones by ``clipvalue``, then
+    by ``clipnorm``. (``global_clipnorm`` is refused by ``train_step.resolve``.)
+    """
+    norm, value = getattr(optimizer, "clipnorm", None), getattr(optimizer, "clipvalue", None)
+    if optimizer_family(optimizer) == "new":
+        if norm and norm > 0:
+            return [("norm", float(norm))]
+        return [("value", float(value))] if value and value > 0 else []
+    return ([("value", float(value))] if value is not None else []) + \
+        ([("norm", float(norm))] if norm is not None else [])
+
+
+def clone_optimizer(optimizer, clip=True):
+    """A fresh optimizer of the same class and hyper-parameters, never XLA-compiled (it updates on a PS device).
+
+    With ``clip=False`` it does not clip gradients (``clipnorm`` / ``clipvalue`` unset): its caller has clipped.
+    A legacy optimizer's ``gradient_transformers`` (not part of its config) are refused.
+    """
+    if getattr(optimizer, "gradient_transformers", None):
+        raise ValueError(
+            "An optimizer with gradient_transformers cannot update PS variables: kparallax rebuilds the optimizer "
+            "on the PS from its config, which does not hold them. Received: gradient_transformers="
+            f"{optimizer.gradient_transformers!r}. Use clipnorm / clipvalue, or transform the gradients in a custom "
+            "train_step.")
+    config = optimizer.get_config()
+    if not clip:
+        config.update(clipnorm=None, clipvalue=None)
+    clone = type(optimizer).from_config(config)
     if optimizer_family(clone) == "new":
         clone.jit_compile = False
     return clone

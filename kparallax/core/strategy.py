@@ -264,7 +264,7 @@ class HybridStrategy:
         """Returns (routing optimizer, its ``Step``, its ``Clones``) for ``optimizer`` (a string or instance)."""
         optimizer = train_step.resolve(optimizer)
         sync = self._options.sync
-        clones = clones_lib.Clones(self._registry, optimizer, shared_slots=not sync)
+        clones = clones_lib.Clones(self._registry, optimizer, shared_slots=not sync, clip=not sync)
         if sync:
             local_set = None
             aggregate = self._options.local_aggregation
@@ -273,7 +273,8 @@ class HybridStrategy:
             if aggregate and self.num_workers > 1 and self._cluster.ps:
                 local_set = runtime.local_process_set()
             ps_path = ps_sync.SyncPs(self._registry, clones, self.num_workers, self.is_chief,
-                                     self._options.average_sparse, local_aggregation.LocalAggregation(local_set))
+                                     self._options.average_sparse, local_aggregation.LocalAggregation(local_set),
+                                     keras_compat.clipping(optimizer))
         else:
             ps_path = ps_async.AsyncPs(self._registry, clones)
         step = train_step.Step(self._options, self.num_workers, self.is_ps_variable, ps_path)

@@ -22,12 +22,15 @@ class Clones:
       registry: the strategy's ``Registry`` (PS task and path of each variable, shared slots).
       optimizer: the user's optimizer (cloned by config).
       shared_slots: True under asynchronous training (slots shared by all workers).
+      clip: the clones clip gradients as ``optimizer`` does (asynchronous training: each worker's deduplicated
+        gradient); False when the caller clips (synchronous training: ``ps_sync`` clips as one process would).
     """
 
-    def __init__(self, registry, optimizer, shared_slots):
+    def __init__(self, registry, optimizer, shared_slots, clip=True):
         self._registry = registry
         self._optimizer = optimizer
         self._shared = shared_slots
+        self._clip = clip
         self._clones = {}
         self.learning_rate_source = None  # the optimizer Keras trains with
 
@@ -38,7 +41,7 @@ class Clones:
         if key not in self._clones:
             with tf.init_scope(), tf.device(variable.device), \
                     (self._shared_slot_scope(variable) if self._shared else contextlib.nullcontext()):
-                clone = keras_compat.clone_optimizer(self._optimizer)
+                clone = keras_compat.clone_optimizer(self._optimizer, clip=self._clip)
                 if self.learning_rate_source is not None:
                     keras_compat.share_learning_rate(clone, self.learning_rate_source)
                 keras_compat.build_optimizer(clone, [variable])

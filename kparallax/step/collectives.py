@@ -70,6 +70,13 @@ def average_gradients(grads_and_vars, num_workers, compression="none", sparse_as
     return list(zip(out, variables))
 
 
+def sum_over_workers(tensor, num_workers, name):
+    """The sum of ``tensor`` over all workers (identity on one worker)."""
+    if num_workers == 1:
+        return tensor
+    return hvd.allreduce(tensor, op=hvd.Sum, name=name)
+
+
 def allgather(tensors, num_workers, name, process_set=None):
     """Grouped allgather of ``tensors`` (identity on one worker)."""
     if num_workers == 1 or not tensors:

@@ -125,6 +125,12 @@ class _RoutingMixin:
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         step = self._kp_step
         dense, ps = step.split(list(grads_and_vars))
+        if ps and getattr(self, "use_ema", False):
+            raise ValueError(
+                "use_ema=True is not supported when the model has variables on parameter servers (their updates run "
+                "in PS-side optimizer clones, and Keras' final overwrite with the averages would miss them). "
+                f"Received: use_ema=True with {len(ps)} PS variable(s), e.g. {ps[0][1].name!r}. Use "
+                "architecture='allreduce' (everything replicated), or drop use_ema.")
 
         def build(dense, ps):
             return step.build(self, dense, ps, lambda averaged: super(_RoutingMixin, self).apply_gradients(
