@@ -229,3 +229,25 @@ def test_legacy_gradient_transformers_are_refused_for_ps_variables(strategy):
         model = _model("fast_transformers")
         with pytest.raises(ValueError, match="gradient_transformers cannot update PS variables"):
             _train(model, optimizer)
+
+
+@pytest.mark.parametrize("partitions", [1, 3])
+def test_weight_decay_exclusions_reach_the_ps_and_the_dense_path(strategy, partitions):
+    def optimizer(model):
+        adamw = tf.keras.optimizers.AdamW(0.05, weight_decay=0.3)
+        adamw.exclude_from_weight_decay(var_list=[model.layers[-1].kernel], var_names=["embedding"])
+        return adamw
+
+    plain = _model("plain_decay")
+    expected_loss = _train(plain, optimizer(plain))
+    with kp.HybridStrategy(strategy.cluster, partitions=partitions).scope():
+        model = _model(f"fast_decay_{partitions}")
+        loss = _train(model, optimizer(model))
+    assert len(model.layers[0].weights) == partitions
+    for got, want in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+    decayed = _model("plain_decayed")
+    _train(decayed, tf.keras.optimizers.AdamW(0.05, weight_decay=0.3))
+    for i in (0, 1):  # the exclusions matter on this model, or the test would be vacuous
+        assert not np.allclose(decayed.get_weights()[i], plain.get_weights()[i], atol=1e-3), i

@@ -68,9 +68,22 @@ def clone_optimizer(optimizer, clip=True):
     if not clip:
         config.update(clipnorm=None, clipvalue=None)
     clone = type(optimizer).from_config(config)
+    copy_weight_decay_exclusion(optimizer, clone)
     if optimizer_family(clone) == "new":
         clone.jit_compile = False
     return clone
+
+
+_EXCLUSION = ("_exclude_from_weight_decay", "_exclude_from_weight_decay_names")
+
+
+def copy_weight_decay_exclusion(source, target):
+    """Gives ``target`` the variables and name patterns ``source.exclude_from_weight_decay`` was given (Keras
+    2.11+ optimizers; private attributes that ``get_config`` does not hold: a copy made from the config would decay
+    them)."""
+    for name in _EXCLUSION:
+        if hasattr(source, name):
+            setattr(target, name, list(getattr(source, name)))
 
 
 def global_clipnorm(optimizer):

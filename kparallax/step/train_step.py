@@ -151,5 +151,6 @@ def wrap(optimizer, step):
     base = type(optimizer)
     cls = type(base.__name__, (_RoutingMixin, base), {"__module__": base.__module__})
     wrapped = cls.from_config(optimizer.get_config())
+    keras_compat.copy_weight_decay_exclusion(optimizer, wrapped)
     wrapped._kp_step = step  # pylint: disable=protected-access
     return wrapped
