@@ -251,3 +251,26 @@ def test_weight_decay_exclusions_reach_the_ps_and_the_dense_path(strategy, parti
     _train(decayed, tf.keras.optimizers.AdamW(0.05, weight_decay=0.3))
     for i in (0, 1):  # the exclusions matter on this model, or the test would be vacuous
         assert not np.allclose(decayed.get_weights()[i], plain.get_weights()[i], atol=1e-3), i
+
+
+@pytest.mark.parametrize("partitions", [1, 3])
+def test_learning_rate_callbacks_reach_the_ps_with_legacy_optimizers(strategy, partitions):
+    def fit(model):
+        model.set_weights(_initial(model))
+        model.compile(optimizer=tf.keras.optimizers.legacy.SGD(0.1, momentum=0.5), loss="mse")
+        x, y = _data()
+        return model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0,
+                         callbacks=[tf.keras.callbacks.LearningRateScheduler(lambda epoch, rate: rate * 0.3)])
+
+    plain = _model("plain_legacy_rate")
+    expected_loss = fit(plain).history["loss"]
+    with kp.HybridStrategy(strategy.cluster, partitions=partitions).scope():
+        model = _model(f"fast_legacy_rate_{partitions}")
+        loss = fit(model).history["loss"]
+    for got, want in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+    assert float(model.optimizer.lr) == pytest.approx(0.1 * 0.3 ** 3)
+    # The optimizer's own variables keep Keras' creation order (checkpoints store them by position).
+    assert [w.name.split("/")[-1] for w in model.optimizer.weights[:3]] == \
+        [w.name.split("/")[-1] for w in plain.optimizer.weights[:3]]

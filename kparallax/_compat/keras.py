@@ -105,15 +105,31 @@ def optimizer_variables(optimizer):
     return list(optimizer.weights)
 
 
+def create_learning_rate(optimizer):
+    """Creates a legacy optimizer's hyper-parameter variables now (private ``_create_hypers``; Keras 2.11+
+    optimizers create theirs in ``__init__``), under the caller's device scope: call it outside the PS's."""
+    if optimizer_family(optimizer) == "legacy":
+        _ = optimizer.iterations  # first, as ``_create_all_weights`` does: optimizer.weights keep Keras' order
+        optimizer._create_hypers()  # pylint: disable=protected-access
+
+
 def share_learning_rate(clone, source):
-    """Makes ``clone`` read ``source``'s learning-rate variable (private ``_learning_rate``), so callbacks that
-    assign a new rate to the optimizer Keras trains with reach the PS-side clones. Keras 2.11+ optimizers with a
-    constant (variable) rate only; schedules are cloned and follow the step. Returns whether it was shared."""
-    if optimizer_family(clone) != "new" or optimizer_family(source) != "new":
+    """Makes ``clone`` read ``source``'s learning-rate variable, so callbacks that assign a new rate to the
+    optimizer Keras trains with (``ReduceLROnPlateau``, ``LearningRateScheduler``) reach the PS-side clones.
+    Keras 2.11+ optimizers: the private ``_learning_rate``; legacy ones: the ``learning_rate`` hyper-parameter
+    (``source``'s must exist: ``create_learning_rate``). Rates given as a schedule are cloned and follow the step.
+    Returns whether it was shared."""
+    if optimizer_family(clone) != optimizer_family(source):
         return False
-    rate = getattr(source, "_learning_rate", None)
+    if optimizer_family(clone) == "new":
+        rate = getattr(source, "_learning_rate", None)
+        if isinstance(rate, tf.Variable):
+            clone._learning_rate = rate  # pylint: disable=protected-access
+            return True
+        return False
+    rate = source._hyper.get("learning_rate")  # pylint: disable=protected-access
     if isinstance(rate, tf.Variable):
-        clone._learning_rate = rate  # pylint: disable=protected-access
+        clone._set_hyper("learning_rate", rate)  # pylint: disable=protected-access
         return True
     return False
 

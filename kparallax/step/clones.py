@@ -39,6 +39,9 @@ class Clones:
         """The clone for ``variable`` (created on first use, with slots on ``variable``'s PS task)."""
         key = variable.ref()
         if key not in self._clones:
+            if self.learning_rate_source is not None:
+                with tf.init_scope():  # on the worker, as Keras would create it
+                    keras_compat.create_learning_rate(self.learning_rate_source)
             with tf.init_scope(), tf.device(variable.device), \
                     (self._shared_slot_scope(variable) if self._shared else contextlib.nullcontext()):
                 clone = keras_compat.clone_optimizer(self._optimizer, clip=self._clip)
