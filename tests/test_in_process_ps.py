@@ -274,3 +274,10 @@ def test_learning_rate_callbacks_reach_the_ps_with_legacy_optimizers(strategy, p
     # The optimizer's own variables keep Keras' creation order (checkpoints store them by position).
     assert [w.name.split("/")[-1] for w in model.optimizer.weights[:3]] == \
         [w.name.split("/")[-1] for w in plain.optimizer.weights[:3]]
+
+
+def test_clipping_with_sparse_as_dense_is_refused(strategy):
+    with kp.HybridStrategy(strategy.cluster, architecture="allreduce", sparse_as_dense=True).scope():
+        model = _model("fast_dense_clipped")
+        with pytest.raises(ValueError, match="sparse_as_dense=True cannot be combined with clipnorm"):
+            _train(model, tf.keras.optimizers.SGD(0.1, clipnorm=0.05))

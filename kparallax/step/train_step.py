@@ -99,6 +99,14 @@ class Step:
     def build(self, optimizer, dense, ps, apply_dense):
         """Builds one step for ``dense`` and ``ps`` (lists of (gradient, variable)); ``apply_dense`` applies the
         averaged dense gradients with the user's optimizer. Returns the op Keras' step waits for."""
+        if self.options.sparse_as_dense and keras_compat.clipping(optimizer):
+            sparse = [v.name for g, v in dense if isinstance(g, tf.IndexedSlices)]
+            if sparse:
+                raise ValueError(
+                    "sparse_as_dense=True cannot be combined with clipnorm / clipvalue: one process clips a sparse "
+                    "gradient slice by slice (one per looked-up id), a densified one after the slices of each id are "
+                    f"summed. Received: sparse_as_dense=True, clipping {keras_compat.clipping(optimizer)} and sparse "
+                    f"gradients of {sparse}. Use sparse_as_dense=False (the default).")
         ps_step = self.ps_path.build(ps) if ps else None
         keep = list(ps_step.keep) if ps_step else []
         counters = self._count_sent(dense, ps_step.sent_bytes if ps_step else tf.constant(0, tf.int64))
