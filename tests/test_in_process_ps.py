@@ -281,3 +281,36 @@ def test_clipping_with_sparse_as_dense_is_refused(strategy):
         model = _model("fast_dense_clipped")
         with pytest.raises(ValueError, match="sparse_as_dense=True cannot be combined with clipnorm"):
             _train(model, tf.keras.optimizers.SGD(0.1, clipnorm=0.05))
+
+
+OPTIMIZERS = {
+    "adamw": lambda: tf.keras.optimizers.AdamW(0.05, weight_decay=0.1),
+    "rmsprop_centered": lambda: tf.keras.optimizers.RMSprop(0.05, momentum=0.5, centered=True),
+    "adadelta": lambda: tf.keras.optimizers.Adadelta(1.0),
+    "adamax": lambda: tf.keras.optimizers.Adamax(0.05),
+    "ftrl": lambda: tf.keras.optimizers.Ftrl(0.1, l1_regularization_strength=0.01),
+    "lion": lambda: tf.keras.optimizers.Lion(0.01),
+    "adam_schedule": lambda: tf.keras.optimizers.Adam(tf.keras.optimizers.schedules.ExponentialDecay(0.05, 3, 0.5)),
+    "legacy_nadam": lambda: tf.keras.optimizers.legacy.Nadam(0.05),
+    "legacy_rmsprop": lambda: tf.keras.optimizers.legacy.RMSprop(0.05, momentum=0.5, centered=True),
+    "legacy_ftrl": lambda: tf.keras.optimizers.legacy.Ftrl(0.3, l2_regularization_strength=0.1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_every_optimizer_trains_a_partitioned_table_like_plain_keras(strategy, name):
+    plain = _model(f"plain_{name}")
+    expected_loss = _train(plain, OPTIMIZERS[name]())
+    with kp.HybridStrategy(strategy.cluster, partitions=3).scope():
+        model = _model(f"fast_{name}")
+        loss = _train(model, OPTIMIZERS[name]())
+    for got, want in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+
+
+def test_keras_nadam_is_refused_with_ps_variables(strategy):
+    with strategy.scope():
+        model = _model("fast_nadam")
+        with pytest.raises(ValueError, match="Use tf.keras.optimizers.legacy.Nadam"):
+            _train(model, tf.keras.optimizers.Nadam(0.05))

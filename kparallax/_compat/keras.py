@@ -86,6 +86,21 @@ def copy_weight_decay_exclusion(source, target):
             setattr(target, name, list(getattr(source, name)))
 
 
+def unclonable_reason(optimizer):
+    """Why copies of ``optimizer`` (one per PS variable) cannot reproduce it, or None.
+
+    Keras 2.15's ``tf.keras.optimizers.Nadam`` keeps its ``u_product`` schedule in a Python counter advanced each
+    time ``update_step`` is traced, so its math depends on how many variables one optimizer traces and how often:
+    one clone per PS variable computes another schedule (seen: NaN weights after 2 epochs). Its legacy class
+    computes the schedule from the step count.
+    """
+    if isinstance(optimizer, tf.keras.optimizers.Nadam) and optimizer_family(optimizer) == "new":
+        return ("tf.keras.optimizers.Nadam advances its u_product schedule per traced variable (a Python counter), "
+                "which PS-side copies cannot reproduce. Use tf.keras.optimizers.legacy.Nadam (the same algorithm, "
+                "exact under kparallax) or architecture='allreduce'.")
+    return None
+
+
 def global_clipnorm(optimizer):
     return getattr(optimizer, "global_clipnorm", None)
 

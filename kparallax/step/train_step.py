@@ -133,6 +133,9 @@ class _RoutingMixin:
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         step = self._kp_step
         dense, ps = step.split(list(grads_and_vars))
+        if ps and keras_compat.unclonable_reason(self):
+            raise ValueError(f"{keras_compat.unclonable_reason(self)} Received: {type(self).__name__} with "
+                             f"{len(ps)} PS variable(s), e.g. {ps[0][1].name!r}.")
         if ps and getattr(self, "use_ema", False):
             raise ValueError(
                 "use_ema=True is not supported when the model has variables on parameter servers (their updates run "
