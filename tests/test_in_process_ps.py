@@ -314,3 +314,25 @@ def test_keras_nadam_is_refused_with_ps_variables(strategy):
         model = _model("fast_nadam")
         with pytest.raises(ValueError, match="Use tf.keras.optimizers.legacy.Nadam"):
             _train(model, tf.keras.optimizers.Nadam(0.05))
+
+
+@pytest.mark.parametrize("again", ["same_instance", "model_optimizer"])
+def test_recompiling_with_the_same_optimizer_keeps_its_state(strategy, again):
+    def fit_twice(model):
+        model.set_weights(_initial(model))
+        optimizer = tf.keras.optimizers.Adam(tf.keras.optimizers.schedules.ExponentialDecay(0.05, 3, 0.5))
+        model.compile(optimizer=optimizer, loss="mse")
+        x, y = _data()
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        model.compile(optimizer=optimizer if again == "same_instance" else model.optimizer, loss="mae")
+        return model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0).history["loss"]
+
+    plain = _model(f"plain_recompiled_{again}")
+    expected_loss = fit_twice(plain)
+    with kp.HybridStrategy(strategy.cluster, partitions=3).scope():
+        model = _model(f"fast_recompiled_{again}")
+        loss = fit_twice(model)
+    assert int(model.optimizer.iterations) == int(plain.optimizer.iterations) == 12
+    for got, want in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)

@@ -7,6 +7,7 @@ partitioned ones); ``keras_hooks`` binds Keras' ``compile``/``fit`` of the model
 """
 
 import contextlib
+import weakref
 from typing import Mapping, Optional, Union
 
 import horovod.tensorflow as hvd
@@ -102,6 +103,7 @@ class HybridStrategy:
         self._registry = registry_lib.Registry(store)
         self._tables = []        # partitioned tables under partitions="auto" (tables.Table)
         self._clones = []        # the PS-side optimizer state of every compiled model
+        self._optimizers = []    # (routing optimizer, weakref to the user's, Step, Clones) per optimizer instance
         self._search = partition_search.new_state()
         logging.info("kparallax: %d worker(s), %d PS task(s), %s", hvd.size(), cluster.num_ps, self._options)
         keras_hooks.install(self)
@@ -261,7 +263,16 @@ class HybridStrategy:
 
     # Used by keras_hooks --------------------------------------------------------------------------------
     def make_optimizer(self, optimizer):
-        """Returns (routing optimizer, its ``Step``, its ``Clones``) for ``optimizer`` (a string or instance)."""
+        """Returns (routing optimizer, its ``Step``, its ``Clones``) for ``optimizer`` (a string or instance).
+
+        An optimizer instance compiled before in this strategy (the user's, or the routing optimizer a model holds,
+        as in ``model.compile(optimizer=model.optimizer, ...)``) gets the same three back: as in one process, its
+        step count, slots and PS-side state carry over to the new compile.
+        """
+        for made in ([] if isinstance(optimizer, str) else self._optimizers):
+            if optimizer is made[0] or optimizer is made[1]():
+                return made[0], made[2], made[3]
+        source = optimizer
         optimizer = train_step.resolve(optimizer)
         sync = self._options.sync
         clones = clones_lib.Clones(self._registry, optimizer, shared_slots=not sync, clip=not sync)
@@ -281,6 +292,8 @@ class HybridStrategy:
         wrapped = train_step.wrap(optimizer, step)
         clones.learning_rate_source = wrapped
         self._clones.append(clones)
+        if not isinstance(source, str):
+            self._optimizers.append((wrapped, weakref.ref(source), step, clones))
         return wrapped, step, clones
 
 
