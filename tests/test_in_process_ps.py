@@ -336,3 +336,21 @@ def test_recompiling_with_the_same_optimizer_keeps_its_state(strategy, again):
     for got, want in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+
+
+@pytest.mark.parametrize("regularized", [False, True], ids=["sparse-gradient", "dense-gradient"])
+@pytest.mark.parametrize("clipped", ["clipnorm", "legacy_clipvalue_and_clipnorm"])
+def test_clipping_of_a_partitioned_table_matches_plain_keras(strategy, clipped, regularized):
+    # SGD, not Adam: Adam's update is nearly invariant to a gradient's scale, so a wrong norm would hardly show.
+    optimizer = {"clipnorm": lambda: tf.keras.optimizers.SGD(0.1, momentum=0.9, clipnorm=0.02),
+                 "legacy_clipvalue_and_clipnorm": lambda: tf.keras.optimizers.legacy.SGD(
+                     0.1, momentum=0.9, clipnorm=0.02, clipvalue=0.002)}[clipped]
+    name = f"{clipped}_{regularized}"
+    plain = _model(f"plain_{name}", regularized)
+    expected_loss = _train(plain, optimizer())
+    with kp.HybridStrategy(strategy.cluster, partitions=3).scope():
+        model = _model(f"fast_{name}", regularized)
+        loss = _train(model, optimizer())
+    for got, want in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)

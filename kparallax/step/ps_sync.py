@@ -9,10 +9,8 @@ Per step and per PS variable:
   3. the chief reads the accumulated rows of the union of ids on the PS (the ids travel there as data), applies
      ONE optimizer update with its clone (``clones.py``), zeroes those rows and increments the update counter,
      whose value is the token the end-of-step barrier (``train_step.py``) waits for.
-Gradient clipping (``clipnorm`` / ``clipvalue`` of the user's optimizer) is done here as one process clips the
-global batch's gradient, whose sparse form holds one slice per looked-up id: ``clipvalue`` clips each worker's
-slices before deduplication; ``clipnorm`` scales the update by the norm of all workers' slices (their sums of
-squares, one allreduce per step) over all shards of a partitioned table. The clones do not clip again.
+Gradient clipping (the user's ``clipnorm`` / ``clipvalue``) is applied along the way as one process would
+(``clipping.py``); the clones do not clip again.
 Only touched rows and their ids cross the network; the update math runs on the PS device. Ordering across devices
 uses data edges only (see ``collectives.py``); control edges are used only between ops on the same PS device.
 """
@@ -22,6 +20,7 @@ from typing import List
 
 import tensorflow as tf
 
+from kparallax.step import clipping as clipping_lib
 from kparallax.step import collectives
 from kparallax.step import local_aggregation
 
@@ -79,9 +78,7 @@ class SyncPs:
         self._is_chief = is_chief
         self._average = average
         self._local = local
-        self._clipping = list(clipping)
-        if any(kind == "norm" for kind, _ in self._clipping[:-1]):
-            raise ValueError(f"Clipping by norm must come last. Received: {self._clipping}.")
+        self._clip = clipping_lib.Clipping(clipping, self._divisor(), num_workers, self._group)
 
     def _helper(self, variable, name):
         if name == ACCUMULATOR:
@@ -94,8 +91,8 @@ class SyncPs:
         sparse = [(g, v) for g, v in grads_and_vars if isinstance(g, tf.IndexedSlices)]
         dense = [(g, v) for g, v in grads_and_vars if not isinstance(g, tf.IndexedSlices)]
         tokens, keep, sent = [], [], []
-        sparse = [(self._clip_slices(g), v) for g, v in sparse]
-        factors, sums = self._sparse_norm_factors(sparse)
+        sparse = [(self._clip.slices(g), v) for g, v in sparse]
+        factors, sums = self._clip.sparse_norm_factors(sparse)
         keep += sums
         deduped = [local_aggregation.dedup(g.indices, g.values) for g, _ in sparse]
         pushed, unused = self._local.sparse(deduped)
@@ -126,11 +123,9 @@ class SyncPs:
             return PsStep(tokens, keep + list(all_ids) + ([pushed_all] if dense else []), sent_bytes)
         updates = [self._apply_rows(variable, ids, factors.get(self._group(variable)))
                    for (_, variable), ids in zip(sparse, all_ids)]
-        grads = [self._read_whole(variable, pushed_all) for _, variable in dense]
-        factors = self._norm_factors([v for _, v in dense], [self._sum_of_squares(g, v) for g, (_, v) in
-                                                             zip(grads, dense)])
-        updates += [self._apply_whole(variable, grad, factors.get(self._group(variable)))
-                    for grad, (_, variable) in zip(grads, dense)]
+        grads = [(self._clip.dense(self._read_whole(variable, pushed_all)), variable) for _, variable in dense]
+        factors = self._clip.dense_norm_factors(grads)
+        updates += [self._apply_whole(variable, grad, factors.get(self._group(variable))) for grad, variable in grads]
         return PsStep(updates, keep, sent_bytes)
 
     def _divisor(self):
@@ -142,51 +137,10 @@ class SyncPs:
             return value / tf.cast(self._divisor(), value.dtype)
         return value
 
-    def _clip_norm(self):
-        return next((c for kind, c in self._clipping if kind == "norm"), None)
-
     def _group(self, variable):
         """The variable one process would clip as one gradient: a partitioned table (all its shards), else itself."""
         owner = self._registry.table_of(variable)
         return id(owner[0]) if owner else variable.ref()
-
-    def _clip_slices(self, grad):
-        """``clipvalue`` of one process on this worker's share of the global gradient (its slices / divisor),
-        before deduplication sums slices of the same id: the bound is scaled by the divisor instead."""
-        for kind, bound in self._clipping:
-            if kind == "value":
-                bound *= self._divisor()
-                grad = tf.IndexedSlices(tf.clip_by_value(grad.values, -bound, bound), grad.indices, grad.dense_shape)
-        return grad
-
-    def _sum_of_squares(self, grad, variable):
-        with tf.device(variable.device):
-            return tf.reduce_sum(tf.square(grad))
-
-    def _norm_factors(self, variables, sums):
-        """``{group: clip_norm / max(norm, clip_norm)}`` (``tf.clip_by_norm``'s scale) from each variable's sum of
-        squares, summed per group; {} without ``clipnorm``."""
-        clip = self._clip_norm()
-        if clip is None or not variables:
-            return {}
-        groups = {}
-        for variable, value in zip(variables, sums):
-            groups.setdefault(self._group(variable), []).append(value)
-        return {key: clip / tf.maximum(tf.sqrt(tf.add_n(values)), clip) for key, values in groups.items()}
-
-    def _sparse_norm_factors(self, sparse):
-        """Norm factors of the sparse gradients from every worker's slices: one allreduce of the per-group sums of
-        squares. Returns (factors, [the allreduce output]); ({}, []) without ``clipnorm``."""
-        if self._clip_norm() is None or not sparse:
-            return {}, []
-        order = list(dict.fromkeys(self._group(v) for _, v in sparse))
-        local = [[] for _ in order]
-        for grad, variable in sparse:
-            local[order.index(self._group(variable))].append(tf.reduce_sum(tf.square(grad.values)))
-        total = collectives.sum_over_workers(tf.stack([tf.add_n(v) for v in local]), self._n, "kp_sparse_sumsq")
-        total = total / float(self._divisor() ** 2)
-        clip = self._clip_norm()
-        return {key: clip / tf.maximum(tf.sqrt(total[i]), clip) for i, key in enumerate(order)}, [total]
 
     def _finish(self, variable, check, zeroed):
         """The update token: incremented on the PS after the update is readable and the accumulator is zero."""
@@ -208,7 +162,7 @@ class SyncPs:
             return self._finish(variable, check, zeroed)
 
     def _read_whole(self, variable, pushed_all):
-        """The summed dense gradient of ``variable`` once every push landed: scaled, clipped by value."""
+        """The summed dense gradient of ``variable`` once every push landed, divided as the step averages."""
         accumulator = self._helper(variable, ACCUMULATOR)
         with tf.device(variable.device):
             if variable.shape.rank:
@@ -219,11 +173,7 @@ class SyncPs:
             else:
                 with tf.control_dependencies([tf.identity(pushed_all)]):
                     grad = accumulator.read_value()
-            grad = self._scaled(grad)
-            for kind, bound in self._clipping:
-                if kind == "value":
-                    grad = tf.clip_by_value(grad, -bound, bound)
-            return grad
+            return self._scaled(grad)
 
     def _apply_whole(self, variable, grad, factor=None):
         accumulator = self._helper(variable, ACCUMULATOR)
