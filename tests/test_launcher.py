@@ -178,13 +178,18 @@ def test_a_cluster_file_of_this_host_only_starts_it_without_ssh(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_fit_of_a_model_compiled_outside_the_scope_is_refused_in_a_multi_worker_job(tmp_path):
-    run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "worker_behaviour.py"), "compile_outside"],
+@pytest.mark.parametrize("mode, message", [
+    ("compile_outside", "refused: Model 'sequential' was compiled outside HybridStrategy.scope() in a job of 2 workers"),
+    ("custom_loop", "refused: SGD.apply_gradients was called outside kparallax's training step in a job of 2 workers"),
+])
+def test_training_outside_the_strategy_is_refused_in_a_multi_worker_job(tmp_path, mode, message):
+    """fit of a model compiled outside the scope, and a custom training loop's optimizer: each worker would train
+    its own copy alone."""
+    run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "worker_behaviour.py"), mode],
                             log_dir=str(tmp_path), workers=2, ps=1, timeout=120)
     assert run.returncode == 0, run.report()
     for name in ("worker-0.log", "worker-1.log"):
-        assert "refused: Model" in run.logs()[name] and "compiled outside HybridStrategy.scope() in a job of 2 " \
-            "workers" in run.logs()[name], run.report()
+        assert message in run.logs()[name], run.report()
 
 
 @pytest.mark.multiprocess

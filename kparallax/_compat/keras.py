@@ -69,6 +69,7 @@ def clone_optimizer(optimizer, clip=True):
         config.update(clipnorm=None, clipvalue=None)
     clone = type(optimizer).from_config(config)
     copy_weight_decay_exclusion(optimizer, clone)
+    mark_owned(clone)
     if optimizer_family(clone) == "new":
         clone.jit_compile = False
     return clone
@@ -84,6 +85,17 @@ def copy_weight_decay_exclusion(source, target):
     for name in _EXCLUSION:
         if hasattr(source, name):
             setattr(target, name, list(getattr(source, name)))
+
+
+def mark_owned(optimizer):
+    """Marks an optimizer kparallax made (the routing optimizer, PS-side clones): it may apply gradients in a
+    multi-worker job. Kept out of Keras' attribute tracking."""
+    optimizer.__dict__["_kp_owned"] = True
+    return optimizer
+
+
+def is_owned(optimizer):
+    return optimizer.__dict__.get("_kp_owned", False)
 
 
 def unclonable_reason(optimizer):

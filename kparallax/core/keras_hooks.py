@@ -96,6 +96,27 @@ def install(strategy):
     keras_compat.Model.compile = compile
     for name, whole in (("get_weights", _layer_get_weights), ("set_weights", _layer_set_weights)):
         setattr(keras_compat.Model, name, _whole_tables_before_compile(getattr(keras_compat.Model, name), whole))
+    for base in (keras_compat.NewOptimizer, keras_compat.LegacyOptimizer):
+        base.apply_gradients = _only_owned_optimizers_in_jobs(base.apply_gradients)
+
+
+def _only_owned_optimizers_in_jobs(original):
+    """``apply_gradients`` of Keras' optimizer base classes: in a job of several workers, only the optimizers
+    kparallax made (``compile`` inside the scope) may apply gradients; any other (a custom training loop) would
+    update each worker's copy alone, so it is refused."""
+
+    @functools.wraps(original)
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        jobs = [s.num_workers for s in list(_STRATEGIES) if s.num_workers > 1]
+        if jobs and not keras_compat.is_owned(self):
+            raise ValueError(
+                f"{type(self).__name__}.apply_gradients was called outside kparallax's training step in a job of "
+                f"{jobs[0]} workers: each worker would update its own copy of the weights alone (no allreduce, no "
+                "shared PS update). Received: an optimizer not compiled into a model inside HybridStrategy.scope() "
+                "(a custom training loop?). Compile the model inside `with strategy.scope():` and train with "
+                "model.fit; a custom train_step (calling self.optimizer.apply_gradients) is supported.")
+        return original(self, grads_and_vars, *args, **kwargs)
+    return apply_gradients
 
 
 def _whole_tables_before_compile(original, whole):

@@ -163,5 +163,6 @@ def wrap(optimizer, step):
     cls = type(base.__name__, (_RoutingMixin, base), {"__module__": base.__module__})
     wrapped = cls.from_config(optimizer.get_config())
     keras_compat.copy_weight_decay_exclusion(optimizer, wrapped)
+    keras_compat.mark_owned(wrapped)
     wrapped._kp_step = step  # pylint: disable=protected-access
     return wrapped

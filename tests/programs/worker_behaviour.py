@@ -1,6 +1,7 @@
 """Worker program for launcher tests.
 
-Usage: worker_behaviour.py MODE (fail_rank1 | same_index | ok | compile_outside | skew_steps | skew_steps_async)
+Usage: worker_behaviour.py MODE (fail_rank1 | same_index | ok | compile_outside | custom_loop | skew_steps |
+                               skew_steps_async)
 """
 
 import os
@@ -32,6 +33,21 @@ if mode == "compile_outside":
         print(f"refused: {e}", flush=True)
     else:
         sys.exit("fit of a model compiled outside the scope trained silently")
+if mode == "custom_loop":
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Embedding(10, 2),
+                                     tf.keras.layers.Flatten(), tf.keras.layers.Dense(1)])
+    optimizer = tf.keras.optimizers.SGD(0.1)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(np.zeros((4, 3), np.int32))))
+    try:
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    except ValueError as e:
+        print(f"refused: {e}", flush=True)
+    else:
+        sys.exit("a custom training loop's optimizer trained silently")
 if mode in ("skew_steps", "skew_steps_async"):
     # worker 1's optimizer makes one extra step, as a loss-scale skip on worker 0 would
     import numpy as np  # pylint: disable=import-outside-toplevel
