@@ -95,33 +95,35 @@ def test_matches_single_process(config, references, tmp_path):
         assert mine == [f"{NAMES[-1]}_embedding/embeddings/part_{i}_of_2" for i in range(2)], info["push_counts"]
 
 
-CLIPPED = {"clipnorm": "adam", "legacy_clip_both": "legacy_momentum"}  # clipped optimizer: the same unclipped
+# optimizer option: the same optimizer without it (the option must change the result, or the test is vacuous)
+OPTIONED = {"clipnorm": "adam", "legacy_clip_both": "legacy_momentum", "adam_ema": "adam"}
 
 
 @pytest.fixture(scope="module")
-def clipped_references(tmp_path_factory):
-    ref_dir = tmp_path_factory.mktemp("reference_clipped")
-    names = list(CLIPPED) + list(CLIPPED.values())
+def optioned_references(tmp_path_factory):
+    ref_dir = tmp_path_factory.mktemp("reference_optioned")
+    names = list(OPTIONED) + sorted(set(OPTIONED.values()))
     done = subprocess.run([sys.executable, os.path.join(PROGRAMS, "train_reference.py"), str(ref_dir),
                            ",".join(names), "1"], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    for clipped, plain in CLIPPED.items():  # the clipping binds, or the test would be vacuous
-        a, b = np.load(ref_dir / f"{clipped}.npz"), np.load(ref_dir / f"{plain}.npz")
-        assert not np.allclose(a["arr_0"], b["arr_0"], rtol=1e-3, atol=1e-4), clipped
+    for optioned, plain in OPTIONED.items():
+        a, b = np.load(ref_dir / f"{optioned}.npz"), np.load(ref_dir / f"{plain}.npz")
+        assert not np.allclose(a["arr_0"], b["arr_0"], rtol=1e-3, atol=1e-4), optioned
     return ref_dir
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("config", ["hybrid-ps:3-over-2-ps", "ps"])
-def test_gradient_clipping_matches_single_process(config, clipped_references, tmp_path):
+def test_clipping_and_ema_match_single_process(config, optioned_references, tmp_path):
     """clipnorm / clipvalue act as in one process on the global batch's gradient, whose sparse form holds one slice
-    per looked-up id: on a table split over 2 PS tasks (the norm spans its shards) and on dense PS variables."""
+    per looked-up id: on a table split over 2 PS tasks (the norm spans its shards) and on dense PS variables.
+    use_ema's averages of PS variables (kept by the chief's clones) replace the weights as in one process."""
     ps, options = {"hybrid-ps:3-over-2-ps": (2, {"placement": {".*_embedding/embeddings": "ps:3"}}),
                    "ps": (1, {"architecture": "ps"})}[config]
-    out, _ = _train(tmp_path, ps, options, names=tuple(CLIPPED))
-    for name in CLIPPED:
+    out, _ = _train(tmp_path, ps, options, names=tuple(OPTIONED))
+    for name in OPTIONED:
         got, _ = _load(out, name)
-        _assert_matches(got, np.load(clipped_references / f"{name}.npz"), what=f"{config}/{name}")
+        _assert_matches(got, np.load(optioned_references / f"{name}.npz"), what=f"{config}/{name}")
 
 
 @pytest.mark.multiprocess

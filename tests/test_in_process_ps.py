@@ -207,20 +207,22 @@ def test_a_constraint_across_rows_of_a_partitioned_table_is_refused(strategy, co
     assert len(model.get_layer("fast_whole_embedding").weights) == 1
 
 
-def test_use_ema_trains_like_plain_keras_when_replicated_and_is_refused_with_ps_variables(strategy):
-    optimizer = lambda: tf.keras.optimizers.SGD(0.1, use_ema=True, ema_overwrite_frequency=3)  # noqa: E731
+@pytest.mark.parametrize("options", [{"architecture": "allreduce"}, {"partitions": 1}, {"partitions": 3}],
+                         ids=["replicated", "table-on-ps", "table-in-3-shards"])
+def test_use_ema_trains_like_plain_keras(strategy, options):
+    """Moving averages of replicated and PS variables, overwritten every 3 steps and at the end of fit."""
+    optimizer = lambda: tf.keras.optimizers.Adam(0.05, use_ema=True, ema_overwrite_frequency=3)  # noqa: E731
     plain = _model("plain_ema")
     expected_loss = _train(plain, optimizer())
-    with kp.HybridStrategy(strategy.cluster, architecture="allreduce").scope():
-        replicated = _model("fast_ema_replicated")
-        loss = _train(replicated, optimizer())
-    for got, want in zip(replicated.get_weights(), plain.get_weights()):
+    with kp.HybridStrategy(strategy.cluster, **options).scope():
+        model = _model(f"fast_ema_{'_'.join(f'{k}{v}' for k, v in options.items())}")
+        loss = _train(model, optimizer())
+    for got, want in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
-    with strategy.scope():
-        model = _model("fast_ema")
-        with pytest.raises(ValueError, match="use_ema=True is not supported .* 'fast_ema_embedding/embeddings"):
-            _train(model, optimizer())
+    unaveraged = _model("plain_no_ema")
+    _train(unaveraged, tf.keras.optimizers.Adam(0.05))
+    assert not np.allclose(unaveraged.get_weights()[0], plain.get_weights()[0], atol=1e-3)  # the averages matter
 
 
 def test_legacy_gradient_transformers_are_refused_for_ps_variables(strategy):

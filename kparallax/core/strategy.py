@@ -289,6 +289,7 @@ class HybridStrategy:
         else:
             ps_path = ps_async.AsyncPs(self._registry, clones)
         step = train_step.Step(self._options, self.num_workers, self.is_ps_variable, ps_path)
+        step.clones = clones
         wrapped = train_step.wrap(optimizer, step)
         clones.learning_rate_source = wrapped
         self._clones.append(clones)

@@ -63,6 +63,14 @@ class Clones:
             return self._registry.shared_slot(variable, (kwargs.get("name") or "slot").split(":")[0], value)
         return tf.variable_creator_scope(creator)
 
+    def finalize(self, variables):
+        """Keras' end-of-``fit`` finalization (``use_ema``: the moving average replaces the value) for each of
+        ``variables`` this process has a clone of."""
+        for variable in variables:
+            clone = self.existing(variable)
+            if clone is not None:
+                clone.finalize_variable_values([variable])
+
     def state(self, shards):
         """Optimizer state of ``shards`` (one table) joined over shards, or None if a shard has no clone yet."""
         clones = [self.existing(s) for s in shards]

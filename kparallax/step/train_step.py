@@ -55,6 +55,7 @@ class Step:
         self.num_workers = num_workers
         self.is_ps_variable = is_ps_variable
         self.ps_path = ps_path
+        self.clones = None  # the model's ``Clones`` (set by the strategy)
         self.accumulator = (accumulation.GradientAccumulator(options.backward_passes_per_step)
                             if options.backward_passes_per_step > 1 else None)
         self._logged = False
@@ -136,12 +137,6 @@ class _RoutingMixin:
         if ps and keras_compat.unclonable_reason(self):
             raise ValueError(f"{keras_compat.unclonable_reason(self)} Received: {type(self).__name__} with "
                              f"{len(ps)} PS variable(s), e.g. {ps[0][1].name!r}.")
-        if ps and getattr(self, "use_ema", False):
-            raise ValueError(
-                "use_ema=True is not supported when the model has variables on parameter servers (their updates run "
-                "in PS-side optimizer clones, and Keras' final overwrite with the averages would miss them). "
-                f"Received: use_ema=True with {len(ps)} PS variable(s), e.g. {ps[0][1].name!r}. Use "
-                "architecture='allreduce' (everything replicated), or drop use_ema.")
 
         def build(dense, ps):
             return step.build(self, dense, ps, lambda averaged: super(_RoutingMixin, self).apply_gradients(
@@ -150,6 +145,17 @@ class _RoutingMixin:
         if step.accumulator is not None:
             return step.accumulator.accumulate_then(dense + ps, lambda averaged: build(*step.split(averaged)))
         return build(dense, ps)
+
+    def finalize_variable_values(self, var_list):
+        """End of ``fit`` (Keras 2.11+ optimizers): with ``use_ema``, every variable takes its moving average.
+        Replicated ones from this optimizer; PS ones from the clones that updated them (the chief's, under
+        synchronous training), then every worker waits for that at a barrier."""
+        step = self._kp_step
+        ps = [v for v in var_list if step.is_ps_variable(v)]
+        super().finalize_variable_values([v for v in var_list if not step.is_ps_variable(v)])
+        if ps and getattr(self, "use_ema", False):
+            step.clones.finalize(ps)
+            collectives.eager_barrier(step.num_workers, name="kp_ema_finalized")
 
 
 def wrap(optimizer, step):

@@ -20,6 +20,7 @@ OPTIMIZERS = {
     # Clipping that binds on this model's gradients (norms 1.2-2.7, largest entries 0.2-2.3 on the first step).
     "clipnorm": lambda: tf.keras.optimizers.Adam(0.01, clipnorm=0.5),
     "legacy_clip_both": lambda: tf.keras.optimizers.legacy.SGD(0.2, momentum=0.9, clipvalue=0.1, clipnorm=0.3),
+    "adam_ema": lambda: tf.keras.optimizers.Adam(0.01, use_ema=True, ema_overwrite_frequency=5),
 }
 
 
