@@ -219,9 +219,9 @@ class HybridStrategy:
             shard_path = f"{table.path}/part_{i}_of_{len(rows)}"
             if table.generation:
                 shard_path += f"_g{table.generation}"
-            shards.append(self._registry.create(shard_path, [count] + row_shape, table.dtype,
-                                                lambda i=i: striped.stripe_of(whole_value(), i, len(rows)), task, trainable=trainable,
-                                                constraint=constraint, table=table, shard=i))
+            initial = lambda i=i: striped.stripe_of(whole_value(), i, len(rows))  # noqa: E731
+            shards.append(self._registry.create(shard_path, [count] + row_shape, table.dtype, initial, task,
+                                                trainable=trainable, constraint=constraint, table=table, shard=i))
             shards[-1].read_policy = cached_reads.policy
         table.shards, table.sharded = shards, tables.make_sharded(table.path, shards)
 
