@@ -356,3 +356,31 @@ def test_clipping_of_a_partitioned_table_matches_plain_keras(strategy, clipped, 
     for got, want in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+
+
+def test_mixed_precision_recompile_keeps_the_optimizer_and_an_explicit_loss_scale_optimizer_is_refused(strategy):
+    def fit_twice(model):
+        model.set_weights(_initial(model))
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.05), loss="mse")
+        x, y = _data()
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        model.compile(optimizer=model.optimizer, loss="mse")  # a LossScaleOptimizer wrapping the first one
+        return model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0).history["loss"]
+
+    tf.keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        plain = _model("plain_mixed")
+        expected_loss = fit_twice(plain)
+        with strategy.scope():
+            model = _model("fast_mixed")
+            loss = fit_twice(model)
+            refused = _model("fast_explicit_loss_scale")
+            with pytest.raises(ValueError, match="LossScaleOptimizer passed to compile is not supported"):
+                refused.compile(optimizer=tf.keras.mixed_precision.LossScaleOptimizer(tf.keras.optimizers.Adam()),
+                                loss="mse")
+    finally:
+        tf.keras.mixed_precision.set_global_policy("float32")
+    assert int(model.optimizer.iterations) == int(plain.optimizer.iterations) == 12
+    for got, want in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)

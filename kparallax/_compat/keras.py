@@ -36,6 +36,12 @@ def optimizer_family(optimizer):
         f"Received: {type(optimizer).__name__} from module {type(optimizer).__module__}.")
 
 
+def is_loss_scale_optimizer(optimizer):
+    """Whether ``optimizer`` is a Keras ``LossScaleOptimizer`` (either family; matched by class name, the classes
+    live in a private module)."""
+    return any(c.__name__ == "BaseLossScaleOptimizer" for c in type(optimizer).__mro__)
+
+
 def clipping(optimizer):
     """The per-variable gradient clipping ``optimizer.apply_gradients`` does, in its order: a list of
     ``("value", c)`` (``tf.clip_by_value(g, -c, c)``) and ``("norm", c)`` (``tf.clip_by_norm(g, c)``).

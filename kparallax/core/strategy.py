@@ -263,13 +263,18 @@ class HybridStrategy:
 
     # Used by keras_hooks --------------------------------------------------------------------------------
     def make_optimizer(self, optimizer):
-        """Returns (routing optimizer, its ``Step``, its ``Clones``) for ``optimizer`` (a string or instance).
+        """Returns (the optimizer to compile with, its ``Step``, its ``Clones``) for ``optimizer`` (a string or
+        instance); the first is the routing optimizer (``train_step.wrap``).
 
-        An optimizer instance compiled before in this strategy (the user's, or the routing optimizer a model holds,
-        as in ``model.compile(optimizer=model.optimizer, ...)``) gets the same three back: as in one process, its
-        step count, slots and PS-side state carry over to the new compile.
+        An optimizer instance compiled before in this strategy (the user's, or the one a model holds, as in
+        ``model.compile(optimizer=model.optimizer, ...)``: the routing optimizer, or under mixed precision Keras'
+        ``LossScaleOptimizer`` around it, returned as it is) gets the same back: as in one process, its step count,
+        slots and PS-side state carry over to the new compile.
         """
+        inner = getattr(optimizer, "inner_optimizer", None)
         for made in ([] if isinstance(optimizer, str) else self._optimizers):
+            if inner is made[0]:  # model.optimizer under mixed precision: Keras' LossScaleOptimizer around ours
+                return optimizer, made[2], made[3]
             if optimizer is made[0] or optimizer is made[1]():
                 return made[0], made[2], made[3]
         source = optimizer

@@ -33,6 +33,12 @@ def resolve(optimizer):
                              f"tf.keras.optimizers instance. Received: optimizer={optimizer!r}.")
         optimizer = tf.keras.optimizers.get(optimizer)
     keras_compat.optimizer_family(optimizer)  # raises for anything that is not a tf.keras optimizer
+    if keras_compat.is_loss_scale_optimizer(optimizer):
+        raise ValueError(
+            "A LossScaleOptimizer passed to compile is not supported under HybridStrategy: the PS-side copies of it "
+            "would keep loss scales of their own. Received: "
+            f"{type(optimizer).__name__} wrapping {type(optimizer.inner_optimizer).__name__}. Pass the inner "
+            "optimizer with the 'mixed_float16' policy set: Keras wraps it at compile, which kparallax supports.")
     if keras_compat.global_clipnorm(optimizer):
         raise ValueError(
             "global_clipnorm is not supported yet: the global norm would span the allreduce and PS paths. Use "
