@@ -39,6 +39,7 @@ from kparallax.core import partition_search
 from kparallax.core import resume
 from kparallax.core import saving
 from kparallax.core import tables
+from kparallax.step import batch_norm
 from kparallax.step import collectives
 
 _LOCAL = threading.local()
@@ -98,6 +99,7 @@ def install(strategy):
         setattr(keras_compat.Model, name, _whole_tables_before_compile(getattr(keras_compat.Model, name), whole))
     for base in (keras_compat.NewOptimizer, keras_compat.LegacyOptimizer):
         base.apply_gradients = _only_owned_optimizers_in_jobs(base.apply_gradients)
+    batch_norm.install()
 
 
 def _only_owned_optimizers_in_jobs(original):
@@ -182,6 +184,8 @@ def _compile(model, *args, **kwargs):
     if bound.arguments.get("jit_compile"):
         raise ValueError("jit_compile=True is not supported under HybridStrategy (XLA cannot compile the remote "
                          "PS ops of a training step). Received: jit_compile=True. Leave it unset or False.")
+    if strategy.options.sync and strategy.num_workers > 1:
+        batch_norm.check(model, strategy.num_workers, strategy.options.sync_batch_norm)
     optimizer, step, clones = strategy.make_optimizer(bound.arguments["optimizer"])
     bound.arguments["optimizer"] = optimizer
     _unbind(model)
@@ -219,9 +223,15 @@ def _make_train_function(original, model, force=False):
 
 def _train_step(original, model, data):
     """The model's own ``train_step`` (Keras' or the user's), its logged metrics averaged over the workers in the
-    step (``collectives.average_logs``; synchronous training only: it is a collective)."""
+    step (``collectives.average_logs``; synchronous training only: it is a collective). With several workers, its
+    BatchNormalization layers take their statistics over all workers' batches (``step/batch_norm.py``)."""
+    strategy = compiled(model).strategy
     iterations = model.optimizer.iterations.read_value()  # before this step's update (program order)
-    return collectives.average_logs(original(model, data), iterations, compiled(model).strategy.num_workers)
+    statistics = (batch_norm.global_statistics(strategy.num_workers, strategy.options.sync_batch_norm)
+                  if strategy.num_workers > 1 else contextlib.nullcontext())
+    with statistics:
+        logs = original(model, data)
+    return collectives.average_logs(logs, iterations, strategy.num_workers)
 
 
 def _refuse_fit(workers, model, *args, **kwargs):

@@ -65,6 +65,10 @@ class HybridStrategy:
         and one update; ``fit``'s ``batch_size`` is then the micro-batch.
       sync: False makes PS updates asynchronous (each worker's update applied on arrival; dense stays synchronous).
       compression: ``"none"`` or ``"fp16"`` (Horovod's fp16 compression of the dense allreduce).
+      sync_batch_norm: True (default): in synchronous training of several workers, BatchNormalization layers
+        normalize with statistics over all workers' batches (one allreduce per layer call), as one process on the
+        global batch does. False: over each worker's own batch, as Horovod and tf.distribute do by default (faster,
+        not equivalent to one process); layers built with ``synchronized=True`` stay global.
       connect_timeout: seconds to wait for the PS tasks to accept connections.
       init_timeout: seconds a worker waits for the chief to initialize a shared variable.
 
@@ -82,7 +86,8 @@ class HybridStrategy:
                  placement: Optional[Mapping[str, str]] = None, partitions: Union[int, str] = 1,
                  max_partitions: int = 16, auto_steps: int = 5, average_sparse: bool = True, sparse_as_dense: bool = False,
                  local_aggregation: Union[bool, str] = "auto", backward_passes_per_step: int = 1, sync: bool = True,
-                 compression: str = "none", connect_timeout: float = 30.0, init_timeout: float = 300.0):
+                 compression: str = "none", sync_batch_norm: bool = True, connect_timeout: float = 30.0,
+                 init_timeout: float = 300.0):
         cluster = Cluster.from_env() if cluster is None else cluster
         if not isinstance(cluster, Cluster):
             raise TypeError(f"cluster must be a kparallax.Cluster. Received: {type(cluster).__name__}.")
@@ -90,7 +95,7 @@ class HybridStrategy:
             architecture=options_lib.architecture_from_env(architecture), partitions=partitions,
             max_partitions=max_partitions, auto_steps=auto_steps, average_sparse=average_sparse, sparse_as_dense=sparse_as_dense,
             local_aggregation=local_aggregation, backward_passes_per_step=backward_passes_per_step, sync=sync,
-            compression=compression)
+            compression=compression, sync_batch_norm=sync_batch_norm)
         for name, value in (("connect_timeout", connect_timeout), ("init_timeout", init_timeout)):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds. Received: {name}={value!r}.")

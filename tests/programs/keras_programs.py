@@ -244,6 +244,34 @@ def mixed_float16(scope, batch):
     return model
 
 
-PROGRAMS = {f.__name__: f for f in (mixed_float16, dict_inputs_auc, tf_data_unknown_cardinality, weighted_samples,
+def batch_normalization(scope, batch):
+    """BatchNormalization on images (Keras' fused kernel), on a Dense layer's output, on a masked sequence of
+    embeddings, and one built with synchronized=True; inputs far from zero mean. One process normalizes the global
+    batch, so the workers must normalize with statistics over all of theirs (moving statistics included)."""
+    ids, rng = _ids(11)
+    ids[::3, -2:] = 0  # padding for mask_zero
+    images = (rng.normal(size=(ROWS, 6, 6, 2)) * 2.0 + 3.0).astype(np.float32)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    with scope():
+        image_in = tf.keras.Input((6, 6, 2), name="images")
+        ids_in = tf.keras.Input((LEN,), dtype=tf.int32, name="ids")
+        h = tf.keras.layers.Conv2D(4, 3, use_bias=False)(image_in)
+        h = tf.keras.layers.BatchNormalization(momentum=0.7)(h)
+        h = tf.keras.layers.GlobalAveragePooling2D()(tf.keras.layers.ReLU()(h))
+        e = tf.keras.layers.Embedding(VOCAB, EMB, mask_zero=True)(ids_in)
+        e = tf.keras.layers.GlobalAveragePooling1D()(tf.keras.layers.BatchNormalization(momentum=0.5)(e))
+        h = tf.keras.layers.Dense(6, use_bias=False)(tf.keras.layers.Concatenate()([h, e]))
+        h = tf.keras.layers.BatchNormalization(momentum=0.8, center=False)(h)
+        h = tf.keras.layers.BatchNormalization(synchronized=True, scale=False)(tf.keras.layers.ReLU()(h))
+        model = tf.keras.Model({"images": image_in, "ids": ids_in}, tf.keras.layers.Dense(1)(h))
+        _init(model)
+        # SGD, not Adam: a BatchNormalization cancels some gradients exactly (e.g. a shift of the next one's input),
+        # and Adam turns their float32 rounding noise into full-size steps.
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+        model.fit({"images": images, "ids": ids}, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+    return model
+
+
+PROGRAMS = {f.__name__: f for f in (batch_normalization, mixed_float16, dict_inputs_auc, tf_data_unknown_cardinality, weighted_samples,
                                     mask_zero_lstm_callbacks, custom_train_step, text_vectorization, lookup_layers,
                                     shared_layer, keras_callbacks, tf_data_known_cardinality)}

@@ -1,7 +1,7 @@
 """Worker program for launcher tests.
 
 Usage: worker_behaviour.py MODE (fail_rank1 | same_index | ok | compile_outside | custom_loop | skew_steps |
-                               skew_steps_async)
+                               skew_steps_async | virtual_batch | batch_norm_global | batch_norm_per_worker)
 """
 
 import os
@@ -17,7 +17,8 @@ if mode == "same_index":
 import kparallax as kp
 
 try:
-    strategy = kp.HybridStrategy(kp.Cluster.from_env(), sync=mode != "skew_steps_async")
+    strategy = kp.HybridStrategy(kp.Cluster.from_env(), sync=mode != "skew_steps_async",
+                                 sync_batch_norm=mode != "batch_norm_per_worker")
 except (ValueError, ConnectionError) as e:
     print(f"kparallax error: {e}", file=sys.stderr, flush=True)
     sys.exit(2)
@@ -62,3 +63,26 @@ if mode in ("skew_steps", "skew_steps_async"):
         model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(1)])
         model.compile(optimizer="sgd", loss="mse")
     model.fit(np.zeros((64, 3)), np.zeros((64, 1)), batch_size=4, verbose=0, callbacks=[Skew()])
+if mode == "virtual_batch":
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(2),
+                                     tf.keras.layers.BatchNormalization(virtual_batch_size=2, name="vbn")])
+        try:
+            model.compile(optimizer="sgd", loss="mse")
+            model.fit(np.zeros((16, 3)), np.zeros((16, 2)), batch_size=4, verbose=0)
+        except ValueError as e:
+            print(f"refused: {e}", flush=True)
+        else:
+            sys.exit("virtual_batch_size trained on per-worker sub-batches silently")
+if mode in ("batch_norm_global", "batch_norm_per_worker"):
+    # rows 0..7 as one feature: worker 0 keeps rows 0, 2, 4, 6 (mean 3), worker 1 rows 1, 3, 5, 7 (mean 4); with
+    # momentum 0 the moving mean after one step is the mean the step normalized with.
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.Input((1,)), tf.keras.layers.BatchNormalization(momentum=0.0)])
+        model.compile(optimizer="sgd", loss="mse")
+    model.fit(np.arange(8, dtype=np.float32)[:, None], np.zeros((8, 1)), batch_size=4, shuffle=False, verbose=0)
+    print(f"moving mean {float(model.layers[0].moving_mean.numpy()[0]):.4f}", flush=True)
