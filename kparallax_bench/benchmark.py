@@ -12,7 +12,9 @@ kparallax-allreduce (allgather of sparse gradients), kparallax-allreduce-dense, 
 horovod and horovod-dense (plain Horovod Keras: hvd.DistributedOptimizer + BroadcastGlobalVariablesCallback, no
 kparallax code, started with Horovod's Gloo rendezvous), tf-pss (TensorFlow ParameterServerStrategy with Model.fit:
 a chief, TF servers for the workers and PS tasks; asynchronous, as that strategy is), single (one plain process,
-reported as single@1). Same model, same synthetic data, same per-worker batch. Variants that need them get ``--ps`` PS
+reported as single@1). Same model, same synthetic data, same per-worker batch, same math: BatchNormalization
+normalizes each worker's batch in every variant (``--batch_norm global``: over all workers, kparallax's default, and
+Horovod's ``SyncBatchNormalization`` for the horovod variants). Variants that need them get ``--ps`` PS
 tasks (default 1; with more, kparallax tables get as many partitions and tf-pss a MinSizePartitioner as many shards).
 
 Where: by default every task runs on this machine and talks over loopback. ``--emulate-network RATE`` (e.g. 1gbit,
@@ -60,6 +62,11 @@ def parse(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch_size", type=int, default=None, help="per-worker batch (default: the preset's)")
     parser.add_argument("--ps", type=int, default=1, help="PS tasks for the variants that use them")
+    parser.add_argument("--batch_norm", choices=("per_worker", "global"), default="per_worker",
+                        help="BatchNormalization statistics: per_worker (default; every variant normalizes each "
+                             "worker's batch) or global (over all workers, one process's math: kparallax's default "
+                             "for users, and hvd.SyncBatchNormalization for the horovod variants; tf-pss and single "
+                             "stay per worker)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--json", default="benchmark.json")
     parser.add_argument("--markdown", default=None, help="write the table here too (default: print only)")
@@ -98,8 +105,8 @@ def parse(argv=None):
 
 def _bench(variant, args, out):
     return [sys.executable, *WORKER, "--variant", variant, "--model", args.model, "--steps", str(args.steps),
-            "--warmup", str(args.warmup), "--out", out] + (["--batch_size", str(args.batch_size)] if args.batch_size
-                                                           else [])
+            "--warmup", str(args.warmup), "--out", out, "--batch_norm", args.batch_norm] + (
+                ["--batch_size", str(args.batch_size)] if args.batch_size else [])
 
 
 def _needs_ps(variant):

@@ -1,6 +1,7 @@
 """One benchmark run of one variant (started by kparallax_bench.benchmark; not a user entry point).
 
     python -m kparallax_bench.worker --variant V --model M --steps S --warmup W --batch_size B --out FILE [--partitions P]
+        [--batch_norm per_worker|global]
 
 Variants: kparallax-hybrid / -hybrid-async / -allreduce / -allreduce-dense / -ps (kparallax under kparallax-run), horovod /
 horovod-dense (plain Horovod Keras: hvd.DistributedOptimizer + BroadcastGlobalVariablesCallback; kparallax is never
@@ -35,6 +36,9 @@ def parse():
     parser.add_argument("--batch_size", type=int, default=None)
     parser.add_argument("--out", required=True)
     parser.add_argument("--partitions", type=int, default=1, help="kparallax variants: shards per table")
+    parser.add_argument("--batch_norm", choices=("per_worker", "global"), default="per_worker",
+                        help="BatchNormalization statistics: kparallax variants sync_batch_norm=False / True; "
+                             "horovod variants Keras' layer / hvd.SyncBatchNormalization")
     return parser.parse_args()
 
 
@@ -169,7 +173,8 @@ def main():
                         "kparallax-allreduce-dense": "allreduce", "kparallax-ps": "ps"}[variant]
         strategy = kp.HybridStrategy(kp.Cluster.from_env(), architecture=architecture,
                                      sparse_as_dense=variant == "kparallax-allreduce-dense",
-                                     partitions=args.partitions, sync=variant != "kparallax-hybrid-async")
+                                     partitions=args.partitions, sync=variant != "kparallax-hybrid-async",
+                                     sync_batch_norm=args.batch_norm == "global")
         workers, rank = strategy.num_workers, strategy.worker_index
         timer = step_timer(args.warmup, rank, f"{variant}@{workers}")
         make_model, make_optimizer, loss, data, info = build(args.model, args.batch_size, workers, rank)
@@ -181,6 +186,10 @@ def main():
     elif variant.startswith("horovod"):
         import horovod.tensorflow.keras as hvd
         hvd.init()
+        if args.batch_norm == "global":  # Horovod's own synchronized batch norm, built where the model asks for one
+            import horovod.tensorflow as hvd_tf
+            import tensorflow as tf
+            tf.keras.layers.BatchNormalization = hvd_tf.SyncBatchNormalization
         workers, rank = hvd.size(), hvd.rank()
         timer = step_timer(args.warmup, rank, f"{variant}@{workers}")
         make_model, make_optimizer, loss, data, info = build(args.model, args.batch_size, workers, rank)
