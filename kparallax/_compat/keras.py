@@ -265,3 +265,44 @@ def replace_weights(model, old_shards, old_sharded, new_shards, new_sharded):
         for name, value in list(vars(layer).items()):
             if value is old_sharded:
                 setattr(layer, name, new_sharded)
+
+
+class _ScaledSumLoss:
+    """A compiled loss reduced by ``SUM`` or ``NONE``, scaled by ``factor()`` (None or 1: unchanged).
+
+    ``SUM``: the value and its gradient are multiplied. ``NONE`` (Keras logs the mean of the per-example values and
+    differentiates their sum): only the gradient is. Every other attribute is the wrapped loss's.
+    """
+
+    def __init__(self, loss, factor):
+        self._loss, self._factor = loss, factor
+
+    def __getattr__(self, name):
+        return getattr(self._loss, name)
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        value = self._loss(y_true, y_pred, sample_weight=sample_weight)
+        factor = self._factor()
+        if not factor or factor == 1:
+            return value
+        if self._loss.reduction == tf.keras.losses.Reduction.SUM:
+            return value * tf.cast(factor, value.dtype)
+        return value + tf.cast(factor - 1, value.dtype) * (value - tf.stop_gradient(value))
+
+
+def scale_summed_losses(model, factor):
+    """Wraps the ``SUM`` / ``NONE`` losses of ``model.compiled_loss`` (a private ``LossesContainer``: its flat
+    ``_losses`` list exists once ``build`` ran, at the first call) in ``_ScaledSumLoss(loss, factor)``."""
+    container = getattr(model, "compiled_loss", None)
+    if container is None:
+        return
+    build = type(container).build
+    summed = (tf.keras.losses.Reduction.SUM, tf.keras.losses.Reduction.NONE)
+
+    def scaled_build(y_pred):
+        build(container, y_pred)
+        container._losses = [  # pylint: disable=protected-access
+            _ScaledSumLoss(loss, factor) if getattr(loss, "reduction", None) in summed else loss
+            for loss in container._losses]  # pylint: disable=protected-access
+
+    container.build = scaled_build

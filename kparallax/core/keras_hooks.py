@@ -41,6 +41,7 @@ from kparallax.core import saving
 from kparallax.core import tables
 from kparallax.step import batch_norm
 from kparallax.step import collectives
+from kparallax.step import summed_losses
 
 _LOCAL = threading.local()
 _STRATEGIES = weakref.WeakSet()
@@ -201,7 +202,10 @@ def _compile(model, *args, **kwargs):
     for name in ("save", "save_weights", "export"):
         _bind_method(model, name, saving.save, original_method(model, name), strategy)
     _bind_method(model, "load_weights", saving.load_weights, original_method(model, "load_weights"), strategy)
-    return original(*bound.args, **bound.kwargs)
+    result = original(*bound.args, **bound.kwargs)
+    if strategy.options.sync:
+        summed_losses.install(model)
+    return result
 
 
 def _make_train_function(original, model, force=False):
@@ -224,12 +228,13 @@ def _make_train_function(original, model, force=False):
 def _train_step(original, model, data):
     """The model's own ``train_step`` (Keras' or the user's), its logged metrics averaged over the workers in the
     step (``collectives.average_logs``; synchronous training only: it is a collective). With several workers, its
-    BatchNormalization layers take their statistics over all workers' batches (``step/batch_norm.py``)."""
+    BatchNormalization layers take their statistics over all workers' batches (``step/batch_norm.py``) and its
+    compiled losses that sum over the batch count every worker's part (``step/summed_losses.py``)."""
     strategy = compiled(model).strategy
     iterations = model.optimizer.iterations.read_value()  # before this step's update (program order)
     statistics = (batch_norm.global_statistics(strategy.num_workers, strategy.options.sync_batch_norm)
                   if strategy.num_workers > 1 else contextlib.nullcontext())
-    with statistics:
+    with statistics, summed_losses.workers(strategy.num_workers):
         logs = original(model, data)
     return collectives.average_logs(logs, iterations, strategy.num_workers)
 

@@ -272,6 +272,40 @@ def batch_normalization(scope, batch):
     return model
 
 
-PROGRAMS = {f.__name__: f for f in (batch_normalization, mixed_float16, dict_inputs_auc, tf_data_unknown_cardinality, weighted_samples,
-                                    mask_zero_lstm_callbacks, custom_train_step, text_vectorization, lookup_layers,
-                                    shared_layer, keras_callbacks, tf_data_known_cardinality)}
+def summed_losses(scope, batch):
+    """Two outputs, one loss summed over the batch (reduction "sum") and one averaged, with loss weights and a
+    regularized table: one process sums over the global batch."""
+    ids, rng = _ids(12)
+    y_a = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    y_b = rng.normal(size=(ROWS, 2)).astype(np.float32)
+    with scope():
+        ids_in = tf.keras.Input((LEN,), dtype=tf.int32)
+        h = tf.keras.layers.Embedding(VOCAB, EMB, embeddings_regularizer=tf.keras.regularizers.l2(1e-3))(ids_in)
+        h = tf.keras.layers.Dense(4, activation="tanh")(tf.keras.layers.Flatten()(h))
+        model = tf.keras.Model(ids_in, {"a": tf.keras.layers.Dense(1, name="a")(h),
+                                        "b": tf.keras.layers.Dense(2, name="b")(h)})
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.002, momentum=0.5),
+                      loss={"a": tf.keras.losses.MeanSquaredError(reduction="sum"), "b": "mae"},
+                      loss_weights={"a": 1.0, "b": 0.5})
+        model.fit(ids, {"a": y_a, "b": y_b}, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+    return model
+
+
+def unreduced_loss(scope, batch):
+    """A loss with reduction "none": Keras differentiates the sum of the per-example values (and logs their mean)."""
+    ids, rng = _ids(13)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    with scope():
+        model = tf.keras.Sequential([tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB),
+                                     tf.keras.layers.Flatten(), tf.keras.layers.Dense(1)])
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.002), loss=tf.keras.losses.Huber(reduction="none"))
+        model.fit(ids, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+    return model
+
+
+PROGRAMS = {f.__name__: f for f in (summed_losses, unreduced_loss, batch_normalization, mixed_float16, dict_inputs_auc,
+                                    tf_data_unknown_cardinality, weighted_samples, mask_zero_lstm_callbacks,
+                                    custom_train_step, text_vectorization, lookup_layers, shared_layer, keras_callbacks,
+                                    tf_data_known_cardinality)}
