@@ -211,7 +211,7 @@ def test_batch_normalization_statistics_span_the_workers_unless_per_worker_is_as
 @pytest.mark.parametrize("mode", ["skew_steps", "skew_steps_async"])
 def test_workers_whose_optimizers_are_at_different_steps_stop_with_an_error(tmp_path, mode):
     """Synchronous training checks in every step; asynchronous training (no per-step collective of logs) at the
-    epoch's end. The same check (``collectives.average_checked``) and message either way."""
+    epoch's end. The same check (``collectives.sum_checked``) and message either way."""
     run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "worker_behaviour.py"), mode],
                             log_dir=str(tmp_path), workers=2, ps=1, timeout=120)
     assert run.returncode != 0, run.report()

@@ -6,11 +6,11 @@ import os
 import threading
 
 import horovod.tensorflow as hvd
-import numpy as np
 import tensorflow as tf
 
 from kparallax._compat import tf as tf_compat
 from kparallax.step import collectives
+from kparallax.step import logs as logs_lib
 
 
 class SyncReplicatedVariables(tf.keras.callbacks.Callback):
@@ -52,15 +52,16 @@ class SyncReplicatedVariables(tf.keras.callbacks.Callback):
 
 
 class AverageMetrics(tf.keras.callbacks.Callback):
-    """Replaces each epoch's logged loss/metric with its average over workers.
+    """Replaces each epoch's logged loss/metrics with their values over all workers (``step/logs.py``).
 
-    Keras reads an epoch's logs from the model's metric variables, which hold each worker's own running values;
-    batch logs are averaged inside the synchronous step instead (``collectives.average_logs``). Asynchronous PS
-    training averages epoch logs only: a per-batch collective would put the workers back in lock-step, so its
-    batches show worker 0's own values.
+    Keras reads an epoch's logs from the model's metric variables, which hold each worker's own running values:
+    Keras' own metrics are computed from their states summed over the workers (one process's value, also for ratios
+    such as AUC), other float values are averaged. Batch logs are taken over the workers inside the synchronous step
+    instead. Asynchronous PS training does it per epoch only: a per-batch collective would put the workers back in
+    lock-step, so its batches show worker 0's own values.
 
     The same collective checks that every worker's optimizer made the same number of steps
-    (``collectives.average_checked``, as the in-step average does).
+    (``collectives.sum_checked``, as the in-step one does).
     """
 
     def __init__(self, strategy):
@@ -70,13 +71,12 @@ class AverageMetrics(tf.keras.callbacks.Callback):
     def _average(self, logs, tag):
         if self._strategy.num_workers == 1 or logs is None:
             return
-        keys = sorted(k for k, v in logs.items() if isinstance(v, (int, float, np.number, np.ndarray)))
         # A failed step check raises InvalidArgumentError here; ``fit`` (keras_hooks._explained) says it plainly.
-        values = collectives.average_checked(tf.constant([float(logs[k]) for k in keys], tf.float32),
-                                             self.model.optimizer.iterations.numpy(), self._strategy.num_workers,
-                                             name=f"kp_metrics_{tag}").numpy()
-        for key, value in zip(keys, values):
-            logs[key] = float(value)
+        merged = logs_lib.over_workers(dict(logs), self.model.metrics, self.model.optimizer.iterations.numpy(),
+                                       self._strategy.num_workers, name=f"kp_metrics_{tag}")
+        for key, value in merged.items():
+            if isinstance(value, tf.Tensor):
+                logs[key] = float(value.numpy())
 
     def on_epoch_end(self, epoch, logs=None):
         self._average(logs, "epoch")

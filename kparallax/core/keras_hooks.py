@@ -41,6 +41,7 @@ from kparallax.core import saving
 from kparallax.core import tables
 from kparallax.step import batch_norm
 from kparallax.step import collectives
+from kparallax.step import logs as logs_lib
 from kparallax.step import summed_losses
 
 _LOCAL = threading.local()
@@ -226,17 +227,18 @@ def _make_train_function(original, model, force=False):
 
 
 def _train_step(original, model, data):
-    """The model's own ``train_step`` (Keras' or the user's), its logged metrics averaged over the workers in the
-    step (``collectives.average_logs``; synchronous training only: it is a collective). With several workers, its
-    BatchNormalization layers take their statistics over all workers' batches (``step/batch_norm.py``) and its
-    compiled losses that sum over the batch count every worker's part (``step/summed_losses.py``)."""
+    """The model's own ``train_step`` (Keras' or the user's), its logs taken over all workers in the step
+    (``step/logs.py``: Keras' metrics from their summed states, other scalars averaged; synchronous training only: it
+    is a collective). With several workers, its BatchNormalization layers take their statistics over all workers'
+    batches (``step/batch_norm.py``) and its compiled losses that sum over the batch count every worker's part
+    (``step/summed_losses.py``)."""
     strategy = compiled(model).strategy
     iterations = model.optimizer.iterations.read_value()  # before this step's update (program order)
     statistics = (batch_norm.global_statistics(strategy.num_workers, strategy.options.sync_batch_norm)
                   if strategy.num_workers > 1 else contextlib.nullcontext())
     with statistics, summed_losses.workers(strategy.num_workers):
         logs = original(model, data)
-    return collectives.average_logs(logs, iterations, strategy.num_workers)
+    return logs_lib.over_workers(logs, model.metrics, iterations, strategy.num_workers, "kp_step_logs")
 
 
 def _refuse_fit(workers, model, *args, **kwargs):
@@ -325,7 +327,7 @@ _OUT_OF_RANGE = re.compile(r"indices\[[0-9,]+\] = (-?[0-9]+) is not in \[0, ([0-
 
 def _explained(error, model):
     """TensorFlow's CPU gather error for an id outside a table and the step check of
-    ``collectives.average_checked`` (in the step or at an epoch's end), said plainly (other errors unchanged)."""
+    ``collectives.sum_checked`` (in the step or at an epoch's end), said plainly (other errors unchanged)."""
     if collectives.STEP_SKEW_MESSAGE in str(error):
         return collectives.step_skew_error(model.optimizer.iterations.numpy())
     match = _OUT_OF_RANGE.search(str(error))

@@ -1,5 +1,5 @@
-"""Horovod collectives of a step: the dense gradient allreduce, the ids allgather, the barrier and the average of
-the step's logged metrics.
+"""Horovod collectives of a step: the dense gradient allreduce, the ids allgather, the barrier and the checked sum
+that carries the step's logs (``logs.py``).
 
 Every collective here has a fixed name (Horovod matches tensors across workers by name) and every output the step
 does not otherwise use is read by a stateful op (``_compat.horovod.KeepAlive``): the Grappler workaround is written
@@ -107,21 +107,22 @@ STEP_SKEW_MESSAGE = "kparallax step check: the optimizers of the workers are at 
 
 
 def step_skew_error(iterations):
-    """The error every worker raises when ``average_checked`` found the workers' optimizers at different steps."""
+    """The error every worker raises when ``sum_checked`` found the workers' optimizers at different steps."""
     return RuntimeError(
         "The workers' optimizers are at different steps: a step was applied on some workers only, e.g. a "
         "mixed_float16 loss-scale skip decided by one worker. Training stopped before the workers' collectives "
         f"went out of step. Received: iterations={int(iterations)} on this worker.")
 
 
-def average_checked(values, iterations, num_workers, name):
-    """``values`` (a float vector) averaged over the workers by one float32 allreduce that also checks the steps.
+def sum_checked(values, iterations, num_workers, name):
+    """``values`` (a float vector) summed over the workers by one float32 allreduce that also checks the steps.
 
     The allreduce carries ``iterations`` (this worker's optimizer step) modulo 64 and its square, summed: they are
     equal on every worker exactly when ``N * sum(m^2) == sum(m)^2``. If not, a step was applied on some workers only
     (e.g. a mixed_float16 loss-scale skip decided by one worker) and every worker fails at the same point with
     ``STEP_SKEW_MESSAGE`` (an ``InvalidArgumentError``; ``step_skew_error`` says it plainly), before the workers'
-    collectives go out of step. Works in a step's graph and eagerly (``fit_callbacks.AverageMetrics``).
+    collectives go out of step. Works in a step's graph and eagerly (``fit_callbacks.AverageMetrics``); used by
+    ``logs.over_workers``.
     """
     step = tf.cast(tf.math.floormod(tf.cast(iterations, tf.int64), 64), tf.float32)
     payload = tf.concat([tf.reshape(tf.cast(values, tf.float32), [-1]), tf.stack([step, step * step])], 0)
@@ -131,29 +132,7 @@ def average_checked(values, iterations, num_workers, name):
         tf.equal(float(num_workers) * total_square, total * total),
         [STEP_SKEW_MESSAGE, "; mean step modulo 64:", total / num_workers, "this worker's:", step])
     with tf.control_dependencies([check]):
-        return summed[:-2] / float(num_workers)
-
-
-def average_logs(logs, iterations, num_workers):
-    """``logs`` (a train step's dict of metric results) with every float scalar averaged over the workers.
-
-    One allreduce inside the step (``average_checked``, which also checks that every worker's optimizer is at the
-    same step; ``iterations`` is read *before* this step's update): it depends on the forward pass only (Keras
-    updates its metrics from the predictions), so Horovod can negotiate and fuse it with the gradients instead of
-    running a blocking collective after the step.
-
-    Other entries (non-float or non-scalar values a custom ``train_step`` returns) are left as each worker has them.
-    """
-    if num_workers == 1 or not isinstance(logs, dict):
-        return logs
-    keys = [k for k, v in logs.items() if isinstance(v, (tf.Tensor, tf.Variable)) and v.dtype.is_floating
-            and v.shape.rank == 0]
-    values = tf.stack([tf.cast(logs[k], tf.float32) for k in keys]) if keys else tf.zeros([0], tf.float32)
-    averaged = average_checked(values, iterations, num_workers, "kp_step_logs")
-    out = dict(logs)
-    for i, key in enumerate(keys):
-        out[key] = tf.cast(averaged[i], logs[key].dtype)
-    return out
+        return tf.identity(summed[:-2])
 
 
 class _LocalCounter:

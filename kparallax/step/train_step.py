@@ -11,8 +11,8 @@
   4. synchronous PS training ends at a barrier carrying the PS path's tokens, so no worker reads PS rows of the
      next step before the chief's update of this one has landed.
 With ``backward_passes_per_step = k`` the gradients are first accumulated locally (``accumulation.py``) and steps
-2-4 run every k-th call. Around it, the model's ``train_step`` (``core/keras_hooks._train_step``) averages the
-step's logged metrics over the workers (``collectives.average_logs``), concurrently with backprop.
+2-4 run every k-th call. Around it, the model's ``train_step`` (``core/keras_hooks._train_step``) takes the
+step's logs over the workers (``logs.over_workers``), concurrently with backprop.
 """
 
 import tensorflow as tf

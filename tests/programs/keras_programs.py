@@ -1,7 +1,8 @@
 """Ordinary Keras programs, written as a user would. Each ``run(scope, batch)`` builds, compiles and fits its model
 inside ``scope()`` (a plain ``contextlib.nullcontext`` in the single-process reference, ``strategy.scope`` under
 kparallax) with ``batch`` rows per step (the global batch in the reference, the per-worker batch under kparallax),
-and returns the trained model. Never imports kparallax."""
+and returns the trained model (with ``model.logged``, arrays of logged values, where a program checks its logs).
+Never imports kparallax."""
 
 import os
 import tempfile
@@ -272,6 +273,42 @@ def batch_normalization(scope, batch):
     return model
 
 
+class _Logged(tf.keras.callbacks.Callback):
+    """Keeps every batch's and epoch's logs, in key order."""
+
+    def __init__(self):
+        super().__init__()
+        self.batches, self.epochs = [], []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches.append([float(logs[k]) for k in sorted(logs)])
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs.append([float(logs[k]) for k in sorted(logs)])
+
+
+def ratio_metrics(scope, batch):
+    """AUC, precision, recall and accuracy: the logs of every batch and epoch equal one process's (a ratio of sums
+    over the global batch is not the average of the workers' ratios)."""
+    ids, rng = _ids(14)
+    features = rng.normal(size=(ROWS, 3)).astype(np.float32)
+    y = (rng.random(ROWS) < 0.4).astype(np.float32)
+    logged = _Logged()
+    with scope():
+        ids_in = tf.keras.Input((LEN,), dtype=tf.int32)
+        features_in = tf.keras.Input((3,))
+        h = tf.keras.layers.GlobalAveragePooling1D()(tf.keras.layers.Embedding(VOCAB, EMB)(ids_in))
+        h = tf.keras.layers.Concatenate()([h, features_in])
+        model = tf.keras.Model([ids_in, features_in], tf.keras.layers.Dense(1, activation="sigmoid")(h))
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="binary_crossentropy",
+                      metrics=[tf.keras.metrics.AUC(), tf.keras.metrics.Precision(thresholds=0.45),
+                               tf.keras.metrics.Recall(thresholds=0.45), "accuracy"])
+        model.fit([ids, features], y, batch_size=batch, epochs=2, shuffle=False, verbose=0, callbacks=[logged])
+    model.logged = [np.array(logged.batches), np.array(logged.epochs)]
+    return model
+
+
 def summed_losses(scope, batch):
     """Two outputs, one loss summed over the batch (reduction "sum") and one averaged, with loss weights and a
     regularized table: one process sums over the global batch."""
@@ -305,7 +342,7 @@ def unreduced_loss(scope, batch):
     return model
 
 
-PROGRAMS = {f.__name__: f for f in (summed_losses, unreduced_loss, batch_normalization, mixed_float16, dict_inputs_auc,
-                                    tf_data_unknown_cardinality, weighted_samples, mask_zero_lstm_callbacks,
+PROGRAMS = {f.__name__: f for f in (ratio_metrics, summed_losses, unreduced_loss, batch_normalization, mixed_float16,
+                                    dict_inputs_auc, tf_data_unknown_cardinality, weighted_samples, mask_zero_lstm_callbacks,
                                     custom_train_step, text_vectorization, lookup_layers, shared_layer, keras_callbacks,
                                     tf_data_known_cardinality)}

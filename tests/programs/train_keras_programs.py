@@ -1,5 +1,6 @@
 """Runs keras_programs in one plain process (MODE=reference, global batch) or under kparallax (MODE=kparallax,
-per-worker batch; under kparallax-run). Writes OUT_DIR/<program>.npz (weights) from worker 0.
+per-worker batch; under kparallax-run). Writes OUT_DIR/<program>.npz (weights, then any logged values) from worker
+0.
 Usage: train_keras_programs.py OUT_DIR MODE"""
 
 import contextlib
@@ -24,7 +25,8 @@ def main(out_dir, mode):
         model = program(scope, batch)
         if chief:
             np.savez(os.path.join(out_dir, f"{name}.npz"),  # vocabularies (object arrays) saved as strings
-                     *[w.astype(str) if w.dtype.kind == "O" else w for w in model.get_weights()])
+                     *[w.astype(str) if w.dtype.kind == "O" else w for w in model.get_weights()],
+                     *getattr(model, "logged", []))
     if mode == "reference":
         assert "kparallax" not in sys.modules, "the reference must not import kparallax"
 
