@@ -56,9 +56,11 @@ class AverageMetrics(tf.keras.callbacks.Callback):
 
     Keras reads an epoch's logs from the model's metric variables, which hold each worker's own running values:
     Keras' own metrics are computed from their states summed over the workers (one process's value, also for ratios
-    such as AUC), other float values are averaged. Batch logs are taken over the workers inside the synchronous step
-    instead. Asynchronous PS training does it per epoch only: a per-batch collective would put the workers back in
-    lock-step, so its batches show worker 0's own values.
+    such as AUC), other float values are averaged. Validation resets those variables before ``on_epoch_end``, so
+    with validation the training states are taken when it begins (``on_test_begin``; every worker validates).
+    Batch logs are taken over the workers inside the synchronous step instead. Asynchronous PS training does it per
+    epoch only: a per-batch collective would put the workers back in lock-step, so its batches show worker 0's own
+    values.
 
     The same collective checks that every worker's optimizer made the same number of steps
     (``collectives.sum_checked``, as the in-step one does).
@@ -67,19 +69,33 @@ class AverageMetrics(tf.keras.callbacks.Callback):
     def __init__(self, strategy):
         super().__init__()
         self._strategy = strategy
+        self._in_epoch = False
+        self._training = None  # the epoch's training results, taken before validation reset the metrics
 
-    def _average(self, logs, tag):
-        if self._strategy.num_workers == 1 or logs is None:
-            return
+    def _over_workers(self, logs, metrics, tag):
         # A failed step check raises InvalidArgumentError here; ``fit`` (keras_hooks._explained) says it plainly.
-        merged = logs_lib.over_workers(dict(logs), self.model.metrics, self.model.optimizer.iterations.numpy(),
+        merged = logs_lib.over_workers(dict(logs), metrics, self.model.optimizer.iterations.numpy(),
                                        self._strategy.num_workers, name=f"kp_metrics_{tag}")
-        for key, value in merged.items():
-            if isinstance(value, tf.Tensor):
-                logs[key] = float(value.numpy())
+        return {key: float(value.numpy()) for key, value in merged.items() if isinstance(value, tf.Tensor)}
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._in_epoch, self._training = True, None
+
+    def on_test_begin(self, logs=None):
+        if self._strategy.num_workers > 1 and self._in_epoch and self._training is None:
+            keys = logs_lib.result_keys(self.model.metrics)
+            self._training = self._over_workers({key: 0.0 for key in keys}, self.model.metrics, "training")
 
     def on_epoch_end(self, epoch, logs=None):
-        self._average(logs, "epoch")
+        self._in_epoch = False
+        if self._strategy.num_workers == 1 or logs is None:
+            return
+        if self._training is None:
+            logs.update(self._over_workers(logs, self.model.metrics, "epoch"))
+            return
+        others = {key: value for key, value in logs.items() if key not in self._training}
+        logs.update(self._over_workers(others, [], "epoch"))
+        logs.update({key: value for key, value in self._training.items() if key in logs})
 
 
 class ProgressFile(tf.keras.callbacks.Callback):

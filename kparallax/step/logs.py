@@ -27,6 +27,16 @@ def is_additive(metric):
     return type(metric).__module__.startswith(_KERAS_MODULES) and bool(metric.variables)
 
 
+def result_keys(metrics):
+    """The log keys of Keras' own ``metrics`` (a metric's name, or the keys of a dict result)."""
+    keys = []
+    for metric in metrics:
+        if is_additive(metric):
+            result = metric.result()
+            keys += list(result) if isinstance(result, dict) else [metric.name]
+    return keys
+
+
 def _is_float_scalar(value):
     if isinstance(value, (tf.Tensor, tf.Variable)):
         return value.dtype.is_floating and value.shape.rank == 0

@@ -289,7 +289,8 @@ class _Logged(tf.keras.callbacks.Callback):
 
 def ratio_metrics(scope, batch):
     """AUC, precision, recall and accuracy: the logs of every batch and epoch equal one process's (a ratio of sums
-    over the global batch is not the average of the workers' ratios)."""
+    over the global batch is not the average of the workers' ratios), with validation (which resets the metrics
+    before the epoch's end)."""
     ids, rng = _ids(14)
     features = rng.normal(size=(ROWS, 3)).astype(np.float32)
     y = (rng.random(ROWS) < 0.4).astype(np.float32)
@@ -304,7 +305,8 @@ def ratio_metrics(scope, batch):
         model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="binary_crossentropy",
                       metrics=[tf.keras.metrics.AUC(), tf.keras.metrics.Precision(thresholds=0.45),
                                tf.keras.metrics.Recall(thresholds=0.45), "accuracy"])
-        model.fit([ids, features], y, batch_size=batch, epochs=2, shuffle=False, verbose=0, callbacks=[logged])
+        model.fit([ids, features], y, batch_size=batch, epochs=2, shuffle=False, verbose=0, callbacks=[logged],
+                  validation_split=0.25)
     model.logged = [np.array(logged.batches), np.array(logged.epochs)]
     return model
 
@@ -343,6 +345,7 @@ def unreduced_loss(scope, batch):
 
 
 PROGRAMS = {f.__name__: f for f in (ratio_metrics, summed_losses, unreduced_loss, batch_normalization, mixed_float16,
-                                    dict_inputs_auc, tf_data_unknown_cardinality, weighted_samples, mask_zero_lstm_callbacks,
+                                    dict_inputs_auc, tf_data_unknown_cardinality, weighted_samples,
+                                    mask_zero_lstm_callbacks,
                                     custom_train_step, text_vectorization, lookup_layers, shared_layer, keras_callbacks,
                                     tf_data_known_cardinality)}
