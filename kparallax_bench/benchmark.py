@@ -67,6 +67,9 @@ def parse(argv=None):
                              "worker's batch) or global (over all workers, one process's math: kparallax's default "
                              "for users, and hvd.SyncBatchNormalization for the horovod variants; tf-pss and single "
                              "stay per worker)")
+    parser.add_argument("--steps_per_execution", type=int, default=1,
+                        help="Keras' compile(steps_per_execution=N) for every variant (default 1): N steps per call "
+                             "of the train function, callbacks every N steps; per-step times are each call's time / N")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--json", default="benchmark.json")
     parser.add_argument("--markdown", default=None, help="write the table here too (default: print only)")
@@ -95,17 +98,28 @@ def parse(argv=None):
         parser.error(f"--workers takes integers like 1,2,4. Received: --workers={args.workers}.")
     if any(w < 1 for w in args.workers) or args.steps < 1 or args.repeats < 1:
         parser.error("--workers, --steps and --repeats must be >= 1.")
+    n = args.steps_per_execution
+    if n < 1 or args.steps % n or args.warmup % n:
+        parser.error(f"--steps_per_execution must be >= 1 and divide --steps and --warmup (so the timed window starts "
+                     f"and ends at a call's end). Received: --steps_per_execution={n}, --steps={args.steps}, "
+                     f"--warmup={args.warmup}.")
     if args.ps < 1:
         parser.error(f"--ps must be >= 1. Received: --ps={args.ps}.")
     if args.emulate_network and args.ps > min(args.workers):
         parser.error(f"with --emulate-network, PS task i runs on worker i's host, so --ps may not exceed the "
                      f"smallest worker count. Received: --ps={args.ps}, --workers={','.join(map(str, args.workers))}.")
+    for flag in ("json", "markdown", "png"):  # checked before the runs, not after them
+        path = getattr(args, flag)
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            parser.error(f"--{flag}: the directory of {path!r} does not exist; create it first. Received: "
+                         f"--{flag}={path}.")
     return args
 
 
 def _bench(variant, args, out):
     return [sys.executable, *WORKER, "--variant", variant, "--model", args.model, "--steps", str(args.steps),
-            "--warmup", str(args.warmup), "--out", out, "--batch_norm", args.batch_norm] + (
+            "--warmup", str(args.warmup), "--out", out, "--batch_norm", args.batch_norm,
+            "--steps_per_execution", str(args.steps_per_execution)] + (
                 ["--batch_size", str(args.batch_size)] if args.batch_size else [])
 
 
@@ -404,6 +418,7 @@ def main(argv=None):
         if network:
             network.down()
     report = {"model": args.model, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
+              "steps_per_execution": args.steps_per_execution,
               "batch_size": args.batch_size, "ps": args.ps, "emulate_network": args.emulate_network,
               "machine": {"cpus": os.cpu_count()}, "variants": results}
     with open(args.json, "w", encoding="utf-8") as f:

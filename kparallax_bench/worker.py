@@ -1,7 +1,7 @@
 """One benchmark run of one variant (started by kparallax_bench.benchmark; not a user entry point).
 
     python -m kparallax_bench.worker --variant V --model M --steps S --warmup W --batch_size B --out FILE [--partitions P]
-        [--batch_norm per_worker|global]
+        [--batch_norm per_worker|global] [--steps_per_execution N]
 
 Variants: kparallax-hybrid / -hybrid-async / -allreduce / -allreduce-dense / -ps (kparallax under kparallax-run), horovod /
 horovod-dense (plain Horovod Keras: hvd.DistributedOptimizer + BroadcastGlobalVariablesCallback; kparallax is never
@@ -39,6 +39,8 @@ def parse():
     parser.add_argument("--batch_norm", choices=("per_worker", "global"), default="per_worker",
                         help="BatchNormalization statistics: kparallax variants sync_batch_norm=False / True; "
                              "horovod variants Keras' layer / hvd.SyncBatchNormalization")
+    parser.add_argument("--steps_per_execution", type=int, default=1,
+                        help="compile(steps_per_execution=N) in every variant")
     return parser.parse_args()
 
 
@@ -79,17 +81,19 @@ def step_timer(warmup, rank, label="run"):
     class StepTimer(tf.keras.callbacks.Callback):
         def __init__(self):
             super().__init__()
-            self.times, self.last, self.stop_profile = [], None, None
+            self.times, self.last, self.done, self.stop_profile = [], None, 0, None
 
         def on_train_batch_end(self, batch, logs=None):
-            now = time.perf_counter()
-            if batch + 1 == warmup:
+            # With steps_per_execution=N Keras calls this every N steps, with ``batch`` the last step's index:
+            # each of those N steps is timed as the call's time / N.
+            now, done = time.perf_counter(), batch + 1
+            if self.done >= warmup:
+                self.times.extend([(now - self.last) / (done - self.done)] * (done - self.done))
+            elif done >= warmup:
                 if rank == 0:
                     mark("start")
                 self.stop_profile = profiling(f"{label}/worker-{rank}")
-            if batch + 1 > warmup:
-                self.times.append(now - self.last)
-            self.last = now
+            self.last, self.done = now, done
 
         @property
         def timed_steps(self):
@@ -150,7 +154,7 @@ def tf_pss(args):
     make_model, make_optimizer, loss, _, info = build(args.model, args.batch_size, workers, 0)
     with strategy.scope():
         model = make_model()
-        model.compile(optimizer=make_optimizer(), loss=loss)
+        model.compile(optimizer=make_optimizer(), loss=loss, steps_per_execution=args.steps_per_execution)
     rounds = max(args.warmup, math.ceil(args.steps / 5))   # steps per worker per epoch
 
     def dataset_fn(context):
@@ -180,7 +184,7 @@ def main():
         make_model, make_optimizer, loss, data, info = build(args.model, args.batch_size, workers, rank)
         with strategy.scope():
             model = make_model()
-            model.compile(optimizer=make_optimizer(), loss=loss)
+            model.compile(optimizer=make_optimizer(), loss=loss, steps_per_execution=args.steps_per_execution)
             model.fit(kp.data.per_worker(data), epochs=1, steps_per_epoch=args.warmup + args.steps, verbose=0,
                       callbacks=[timer])
     elif variant.startswith("horovod"):
@@ -195,7 +199,7 @@ def main():
         make_model, make_optimizer, loss, data, info = build(args.model, args.batch_size, workers, rank)
         model = make_model()
         optimizer = hvd.DistributedOptimizer(make_optimizer(), sparse_as_dense=variant == "horovod-dense")
-        model.compile(optimizer=optimizer, loss=loss)
+        model.compile(optimizer=optimizer, loss=loss, steps_per_execution=args.steps_per_execution)
         model.fit(data, epochs=1, steps_per_epoch=args.warmup + args.steps, verbose=0,
                   callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), timer])
     elif variant == "single":
@@ -203,7 +207,7 @@ def main():
         timer = step_timer(args.warmup, rank, f"{variant}@{workers}")
         make_model, make_optimizer, loss, data, info = build(args.model, args.batch_size, 1, 0)
         model = make_model()
-        model.compile(optimizer=make_optimizer(), loss=loss)
+        model.compile(optimizer=make_optimizer(), loss=loss, steps_per_execution=args.steps_per_execution)
         model.fit(data, epochs=1, steps_per_epoch=args.warmup + args.steps, verbose=0, callbacks=[timer])
     else:
         raise SystemExit(f"unknown variant {variant!r}")

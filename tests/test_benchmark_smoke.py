@@ -72,10 +72,28 @@ def test_emulated_network_measures_link_bytes_and_feeds_the_projection(tmp_path)
     assert result["comm_ms"]["horovod"] > result["comm_ms"]["kparallax-hybrid"] > 0, result["comm_ms"]
 
 
+@pytest.mark.multiprocess
+def test_steps_per_execution_applies_to_every_variant(tmp_path):
+    """--steps_per_execution 2: Keras' compile option in every variant; each call's two steps are timed."""
+    out = tmp_path / "spe.json"
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "benchmark.py"), "--model", "lm1b_tiny",
+                           "--workers", "2", "--steps", "4", "--warmup", "2", "--repeats", "1", "--batch_size", "4",
+                           "--steps_per_execution", "2", "--variants", "kparallax-hybrid,kparallax-ps,horovod,tf-pss",
+                           "--json", str(out)], capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["steps_per_execution"] == 2
+    assert set(report["variants"]) == {"kparallax-hybrid@2", "kparallax-ps@2", "horovod@2", "tf-pss@2"}
+    for key, entry in report["variants"].items():
+        assert entry["throughput"] > 0 and entry["bytes_per_step"] > 0, (key, entry)
+
+
 def test_bad_arguments_are_named():
     for argv, message in ((["--emulate-network", "fast"], "Received: 'fast'"),
                           (["--variants", "tf-ps"], "unknown variant 'tf-ps'"),
-                          (["--emulate-network", "1gbit", "--ps", "3", "--workers", "2"], "Received: --ps=3")):
+                          (["--emulate-network", "1gbit", "--ps", "3", "--workers", "2"], "Received: --ps=3"),
+                          (["--steps_per_execution", "3", "--steps", "4"], "Received: --steps_per_execution=3"),
+                          (["--json", "/nonexistent-dir/b.json"], "Received: --json=/nonexistent-dir/b.json")):
         done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "benchmark.py"), *argv],
                               capture_output=True, text=True, timeout=120, check=False)
         assert done.returncode == 2 and message in done.stderr, done.stderr

@@ -44,10 +44,10 @@ def _initial(model):
     return [rng.normal(scale=0.3, size=w.shape).astype(np.float32) for w in model.get_weights()]
 
 
-def _train(model, optimizer, epochs=2):
+def _train(model, optimizer, epochs=2, **compile_kwargs):
     x, y = _data()
     model.set_weights(_initial(model))
-    model.compile(optimizer=optimizer, loss="mse")
+    model.compile(optimizer=optimizer, loss="mse", **compile_kwargs)
     return model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0).history["loss"]
 
 
@@ -140,6 +140,23 @@ def test_architecture_ps_reads_each_dense_ps_variable_once_per_step_and_trains_e
     np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
     assert _reads_in_loops(plain) > 0, "plain Keras reads the kernels inside the loop: the check is not vacuous"
     assert _reads_in_loops(model) == 0
+
+
+@pytest.mark.parametrize("architecture", ["ps", "hybrid"])
+def test_steps_per_execution_trains_like_plain_keras(strategy, architecture):
+    """compile(steps_per_execution=4), 6 steps per epoch (the second call of each epoch runs 2): kparallax's loop
+    traces each iteration as one step, so the dense PS variables (ps architecture) are read in every iteration
+    (Keras' own loop read them once before it: stale weights for 3 of every 4 steps)."""
+    other = kp.HybridStrategy(strategy.cluster, architecture=architecture)
+    plain = _model("plain_spe")
+    expected_loss = _train(plain, tf.keras.optimizers.SGD(0.1))
+    with other.scope():
+        model = _model(f"fast_spe_{architecture}")
+        loss = _train(model, tf.keras.optimizers.SGD(0.1), steps_per_execution=4)
+    assert other.is_ps_variable(model.layers[-1].kernel) == (architecture == "ps")
+    for got, want in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
 
 
 def test_fit_after_restore_continues_the_epoch_its_step_and_its_metric_averages(strategy, tmp_path):
