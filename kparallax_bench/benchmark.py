@@ -14,7 +14,8 @@ kparallax code, started with Horovod's Gloo rendezvous), tf-pss (TensorFlow Para
 a chief, TF servers for the workers and PS tasks; asynchronous, as that strategy is), single (one plain process,
 reported as single@1). Same model, same synthetic data, same per-worker batch, same math: BatchNormalization
 normalizes each worker's batch in every variant (``--batch_norm global``: over all workers, kparallax's default, and
-Horovod's ``SyncBatchNormalization`` for the horovod variants). Variants that need them get ``--ps`` PS
+Horovod's ``SyncBatchNormalization`` for the horovod variants); ``--steps_per_execution N`` compiles every variant
+with Keras' ``steps_per_execution=N``. Variants that need them get ``--ps`` PS
 tasks (default 1; with more, kparallax tables get as many partitions and tf-pss a MinSizePartitioner as many shards).
 
 Where: by default every task runs on this machine and talks over loopback. ``--emulate-network RATE`` (e.g. 1gbit,
