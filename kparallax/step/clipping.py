@@ -52,17 +52,18 @@ class Clipping:
         return grad
 
     def sparse_norm_factors(self, sparse):
-        """``{group: factor}`` for the sparse gradients, from every worker's slices (one allreduce of per-group
-        sums of squares), and [that allreduce's output] for the step to keep alive; ({}, []) without ``clipnorm``."""
+        """``{group: factor}`` for the sparse gradients, from every worker's slices (one allreduce of each group's
+        sum of squares, so that a group's update waits for its own gradients only), and those allreduces' outputs
+        for the step to keep alive; ({}, []) without ``clipnorm``."""
         if self._norm is None or not sparse:
             return {}, []
         order = list(dict.fromkeys(self._group_of(v) for _, v in sparse))
         local = [[] for _ in order]
         for grad, variable in sparse:
             local[order.index(self._group_of(variable))].append(tf.reduce_sum(tf.square(grad.values)))
-        total = collectives.sum_over_workers(tf.stack([tf.add_n(v) for v in local]), self._n, "kp_sparse_sumsq")
-        total = total / float(self._divisor ** 2)
-        return {key: self._factor(total[i]) for i, key in enumerate(order)}, [total]
+        totals = [collectives.sum_over_workers(tf.add_n(v), self._n, f"kp_sparse_sumsq_{i}") / float(self._divisor ** 2)
+                  for i, v in enumerate(local)]
+        return {key: self._factor(totals[i]) for i, key in enumerate(order)}, totals
 
     def dense_norm_factors(self, grads_and_vars):
         """``{group: factor}`` for aggregated dense gradients (each sum of squares computed on its variable's PS

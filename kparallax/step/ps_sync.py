@@ -4,8 +4,10 @@ Per step and per PS variable:
   1. push: every worker (with local aggregation, one worker per host) adds its deduplicated rows into an
      accumulator next to the variable on its PS task (``scatter_add``; a dense gradient is added whole), then
      increments the variable's push counter; the counter's new value is the push's *token*;
-  2. the workers allgather the ids they pushed (tied to their tokens, so no id leaves before its rows landed);
-     for dense gradients they pass a barrier that carries the tokens instead;
+  2. the workers allgather the ids they pushed, one allgather per table, each tied to the tokens of that table's
+     pushes only (no id leaves before its rows landed, and a table whose gradient comes early in backprop is
+     exchanged and updated while backprop goes on); for dense gradients they pass a barrier that carries the
+     tokens instead;
   3. the chief reads the accumulated rows of the union of ids on the PS (the ids travel there as data), applies
      ONE optimizer update with its clone (``clones.py``), zeroes those rows and increments the update counter,
      whose value is the token the end-of-step barrier (``train_step.py``) waits for.
@@ -105,7 +107,7 @@ class SyncPs:
                     added = self._helper(variable, ACCUMULATOR).scatter_add(tf.IndexedSlices(rows, ids))
                     with tf.control_dependencies([_op(added)]):
                         tokens.append(count(self._helper(variable, PUSHES)))
-                pushed_ids.append(ids)
+                pushed_ids.append(collectives.tie(ids, tokens[-1:]))
                 sent.append(nbytes([rows, ids]))
         dense_grads, unused = self._local.dense([g for g, _ in dense])
         keep += unused
@@ -115,8 +117,7 @@ class SyncPs:
                 with tf.control_dependencies([_op(added)]):
                     tokens.append(count(self._helper(variable, PUSHES)))
             sent.append(nbytes([grad]))
-        all_ids = collectives.allgather([collectives.tie(ids, tokens) for ids in pushed_ids], self._n,
-                                        "kp_sparse_ids")
+        all_ids = self._exchange_ids(sparse, pushed_ids)
         pushed_all = collectives.barrier(self._n, tokens, "kp_ps_pushed") if dense else None
         sent_bytes = tf.add_n(sent) if sent else tf.constant(0, tf.int64)
         if not self._is_chief:
@@ -127,6 +128,21 @@ class SyncPs:
         factors = self._clip.dense_norm_factors(grads)
         updates += [self._apply_whole(variable, grad, factors.get(self._group(variable))) for grad, variable in grads]
         return PsStep(updates, keep, sent_bytes)
+
+    def _exchange_ids(self, sparse, pushed_ids):
+        """Every worker's pushed ids, one grouped allgather per table (a variable, or all shards of a partitioned
+        table), each tied only to the pushes of its own variables: a table's exchange and update start as soon as
+        its gradient is pushed, while backprop still computes the layers below it (the softmax's rows are pushed
+        long before the input embedding's gradient exists)."""
+        groups = {}
+        for i, (_, variable) in enumerate(sparse):
+            groups.setdefault(self._group(variable), []).append(i)
+        all_ids = [None] * len(sparse)
+        for k, members in enumerate(groups.values()):
+            gathered = collectives.allgather([pushed_ids[i] for i in members], self._n, f"kp_sparse_ids_{k}")
+            for i, ids in zip(members, gathered):
+                all_ids[i] = ids
+        return all_ids
 
     def _divisor(self):
         """What the chief divides summed gradients by: the worker count when averaging, else 1."""
