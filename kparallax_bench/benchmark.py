@@ -15,7 +15,8 @@ a chief, TF servers for the workers and PS tasks; asynchronous, as that strategy
 reported as single@1). Same model, same synthetic data, same per-worker batch, same math: BatchNormalization
 normalizes each worker's batch in every variant (``--batch_norm global``: over all workers, kparallax's default, and
 Horovod's ``SyncBatchNormalization`` for the horovod variants); ``--steps_per_execution N`` compiles every variant
-with Keras' ``steps_per_execution=N``. Variants that need them get ``--ps`` PS
+with Keras' ``steps_per_execution=N``; ``--local_aggregation on|off`` sets kparallax's option of that name (default
+``auto``). Variants that need them get ``--ps`` PS
 tasks (default 1; with more, kparallax tables get as many partitions and tf-pss a MinSizePartitioner as many shards).
 
 Where: by default every task runs on this machine and talks over loopback. ``--emulate-network RATE`` (e.g. 1gbit,
@@ -71,6 +72,9 @@ def parse(argv=None):
     parser.add_argument("--steps_per_execution", type=int, default=1,
                         help="Keras' compile(steps_per_execution=N) for every variant (default 1): N steps per call "
                              "of the train function, callbacks every N steps; per-step times are each call's time / N")
+    parser.add_argument("--local_aggregation", choices=("auto", "on", "off"), default="auto",
+                        help="kparallax variants: HybridStrategy(local_aggregation=...) ('auto', the default, "
+                             "aggregates only when workers share a host and some task is on another; 'on' forces it)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--json", default="benchmark.json")
     parser.add_argument("--markdown", default=None, help="write the table here too (default: print only)")
@@ -120,7 +124,7 @@ def parse(argv=None):
 def _bench(variant, args, out):
     return [sys.executable, *WORKER, "--variant", variant, "--model", args.model, "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--out", out, "--batch_norm", args.batch_norm,
-            "--steps_per_execution", str(args.steps_per_execution)] + (
+            "--steps_per_execution", str(args.steps_per_execution), "--local_aggregation", args.local_aggregation] + (
                 ["--batch_size", str(args.batch_size)] if args.batch_size else [])
 
 
@@ -419,7 +423,7 @@ def main(argv=None):
         if network:
             network.down()
     report = {"model": args.model, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
-              "steps_per_execution": args.steps_per_execution,
+              "steps_per_execution": args.steps_per_execution, "local_aggregation": args.local_aggregation,
               "batch_size": args.batch_size, "ps": args.ps, "emulate_network": args.emulate_network,
               "machine": {"cpus": os.cpu_count()}, "variants": results}
     with open(args.json, "w", encoding="utf-8") as f:

@@ -1,7 +1,7 @@
 """One benchmark run of one variant (started by kparallax_bench.benchmark; not a user entry point).
 
     python -m kparallax_bench.worker --variant V --model M --steps S --warmup W --batch_size B --out FILE [--partitions P]
-        [--batch_norm per_worker|global] [--steps_per_execution N]
+        [--batch_norm per_worker|global] [--steps_per_execution N] [--local_aggregation auto|on|off]
 
 Variants: kparallax-hybrid / -hybrid-async / -allreduce / -allreduce-dense / -ps (kparallax under kparallax-run), horovod /
 horovod-dense (plain Horovod Keras: hvd.DistributedOptimizer + BroadcastGlobalVariablesCallback; kparallax is never
@@ -39,6 +39,8 @@ def parse():
     parser.add_argument("--batch_norm", choices=("per_worker", "global"), default="per_worker",
                         help="BatchNormalization statistics: kparallax variants sync_batch_norm=False / True; "
                              "horovod variants Keras' layer / hvd.SyncBatchNormalization")
+    parser.add_argument("--local_aggregation", choices=("auto", "on", "off"), default="auto",
+                        help="kparallax variants: HybridStrategy(local_aggregation=...)")
     parser.add_argument("--steps_per_execution", type=int, default=1,
                         help="compile(steps_per_execution=N) in every variant")
     return parser.parse_args()
@@ -178,7 +180,8 @@ def main():
         strategy = kp.HybridStrategy(kp.Cluster.from_env(), architecture=architecture,
                                      sparse_as_dense=variant == "kparallax-allreduce-dense",
                                      partitions=args.partitions, sync=variant != "kparallax-hybrid-async",
-                                     sync_batch_norm=args.batch_norm == "global")
+                                     sync_batch_norm=args.batch_norm == "global",
+                                     local_aggregation={"auto": "auto", "on": True, "off": False}[args.local_aggregation])
         workers, rank = strategy.num_workers, strategy.worker_index
         timer = step_timer(args.warmup, rank, f"{variant}@{workers}")
         make_model, make_optimizer, loss, data, info = build(args.model, args.batch_size, workers, rank)

@@ -187,3 +187,24 @@ def test_async_trains_with_a_slow_worker(architecture, tmp_path):
     # at most everyone's.
     assert steps <= pushes <= 2 * steps, pushes
     assert "sync=False" in run.logs()["worker-0.log"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("config", ["hybrid-local-aggregation", "partitions-2-over-2-ps-local-aggregation"])
+def test_tables_sharing_ids_with_local_aggregation(config, tmp_path, monkeypatch):
+    """Two tables looked up with the same ids (a token embedding and a per-token bias, as lm1b's softmax weights and
+    biases) under local aggregation: the worker that does not push sends the same empty ids for both tables, and
+    each table's allgather must still run (when Grappler merged the two there, the run hung at its first step)."""
+    monkeypatch.setenv("KP_EQUIVALENCE_TOKEN_BIAS", "1")
+    ref_dir = tmp_path / "reference"
+    ref_dir.mkdir()
+    done = subprocess.run([sys.executable, os.path.join(PROGRAMS, "train_reference.py"), str(ref_dir), "adam", "1"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ps, options, _, _ = CONFIGS[config]
+    out, run = _train(tmp_path, ps, options, names=("adam",))
+    got, info = _load(out, "adam")
+    assert sorted(k.split("/")[0] for k in info["push_counts"]) == sorted(
+        ["adam_embedding", "adam_token_bias"] * ps), info["push_counts"]
+    _assert_matches(got, np.load(ref_dir / "adam.npz"), what=f"token bias/{config}")
+    assert "placement: adam_token_bias/embeddings [1000, 1] -> " in run.logs()["worker-0.log"]

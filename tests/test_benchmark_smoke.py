@@ -74,15 +74,17 @@ def test_emulated_network_measures_link_bytes_and_feeds_the_projection(tmp_path)
 
 @pytest.mark.multiprocess
 def test_steps_per_execution_applies_to_every_variant(tmp_path):
-    """--steps_per_execution 2: Keras' compile option in every variant; each call's two steps are timed."""
+    """--steps_per_execution 2: Keras' compile option in every variant; each call's two steps are timed. The
+    kparallax variants also run with local aggregation forced on (two workers of one host)."""
     out = tmp_path / "spe.json"
     done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "benchmark.py"), "--model", "lm1b_tiny",
                            "--workers", "2", "--steps", "4", "--warmup", "2", "--repeats", "1", "--batch_size", "4",
-                           "--steps_per_execution", "2", "--variants", "kparallax-hybrid,kparallax-ps,horovod,tf-pss",
+                           "--steps_per_execution", "2", "--local_aggregation", "on",
+                           "--variants", "kparallax-hybrid,kparallax-ps,horovod,tf-pss",
                            "--json", str(out)], capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["steps_per_execution"] == 2
+    assert report["steps_per_execution"] == 2 and report["local_aggregation"] == "on"
     assert set(report["variants"]) == {"kparallax-hybrid@2", "kparallax-ps@2", "horovod@2", "tf-pss@2"}
     for key, entry in report["variants"].items():
         assert entry["throughput"] > 0 and entry["bytes_per_step"] > 0, (key, entry)

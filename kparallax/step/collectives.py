@@ -78,12 +78,21 @@ def sum_over_workers(tensor, num_workers, name):
 
 
 def allgather(tensors, num_workers, name, process_set=None):
-    """Grouped allgather of ``tensors`` (identity on one worker)."""
+    """Grouped allgather of ``tensors`` (identity when ``num_workers``, the size of the group, is 1).
+
+    The group carries one more tensor, one element computed by a worker-local stateful op, and drops it from the
+    result: Horovod ops are not stateful, so Grappler's common subexpression elimination merges two allgathers of
+    one step whose inputs are the same tensors. Where that happens on one worker only, the others wait forever for
+    the collective it dropped (seen: a worker that does not push, under local aggregation, sends empty ids for every
+    table; lm1b's softmax weights and biases are looked up with the same ids, so their two allgathers became one
+    there, and the pushing worker hung in the other's).
+    """
     if num_workers == 1 or not tensors:
         return list(tensors)
-    if process_set is None:
-        return hvd.grouped_allgather(list(tensors), name=name)
-    return hvd.grouped_allgather(list(tensors), process_set=process_set, name=name)
+    tensors = list(tensors)
+    salt = tf.reshape(tf.cast(ready([_LOCAL_COUNTER.next()]), tensors[0].dtype), [1])
+    kwargs = {} if process_set is None else {"process_set": process_set}
+    return list(hvd.grouped_allgather(tensors + [salt], name=name, **kwargs))[:-1]
 
 
 def barrier(num_workers, tokens=(), name="kp_barrier"):

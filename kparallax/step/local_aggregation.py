@@ -1,12 +1,15 @@
 """Local aggregation: the workers of one host sum their PS gradients and only the host's first worker pushes.
 
-Sparse gradients are allgathered inside the host's Horovod process set (ids and rows) and re-deduplicated by the
+Sparse gradients are allgathered inside the host's Horovod process set (ids and rows, one grouped allgather per
+table, so a table's rows leave while backprop still computes the layers below it) and re-deduplicated by the
 leader; dense gradients are summed with an allreduce inside the set. The PS then receives one push per host
 instead of one per worker (Parallax's local aggregation).
 """
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
+
+from kparallax.step import collectives
 
 
 def dedup(ids, rows):
@@ -30,13 +33,15 @@ class LocalAggregation:
         """Whether this worker pushes (for its host)."""
         return self._set is None or self._set.rank() == 0
 
-    def sparse(self, deduped):
+    def sparse(self, deduped, tag=""):
         """Given [(ids, rows)] per variable: what this worker pushes ([(ids, rows)], or None if it does not push)
-        and the collective outputs it must keep alive."""
+        and the collective outputs it must keep alive. ``tag`` tells apart the collectives of separate calls in one
+        step (one call per table, so each table's rows leave as soon as its own gradient exists)."""
         if self._set is None or not deduped:
             return deduped, []
-        ids = hvd.grouped_allgather([i for i, _ in deduped], process_set=self._set, name="kp_local_ids")
-        rows = hvd.grouped_allgather([r for _, r in deduped], process_set=self._set, name="kp_local_rows")
+        size = self._set.size()
+        ids = collectives.allgather([i for i, _ in deduped], size, f"kp_local_ids{tag}", process_set=self._set)
+        rows = collectives.allgather([r for _, r in deduped], size, f"kp_local_rows{tag}", process_set=self._set)
         if not self.is_leader:
             return None, list(ids) + list(rows)
         return [dedup(i, r) for i, r in zip(ids, rows)], []

@@ -1,9 +1,10 @@
 """Synchronous aggregation of the gradients of PS variables: one update per step, applied on the PS.
 
 Per step and per PS variable:
-  1. push: every worker (with local aggregation, one worker per host) adds its deduplicated rows into an
-     accumulator next to the variable on its PS task (``scatter_add``; a dense gradient is added whole), then
-     increments the variable's push counter; the counter's new value is the push's *token*;
+  1. push: every worker (with local aggregation, one worker per host, after an allgather inside the host, one per
+     table) adds its deduplicated rows into an accumulator next to the variable on its PS task (``scatter_add``; a
+     dense gradient is added whole), then increments the variable's push counter; the counter's new value is the
+     push's *token*;
   2. the workers allgather the ids they pushed, one allgather per table, each tied to the tokens of that table's
      pushes only (no id leaves before its rows landed, and a table whose gradient comes early in backprop is
      exchanged and updated while backprop goes on); for dense gradients they pass a barrier that carries the
@@ -97,8 +98,15 @@ class SyncPs:
         factors, sums = self._clip.sparse_norm_factors(sparse)
         keep += sums
         deduped = [local_aggregation.dedup(g.indices, g.values) for g, _ in sparse]
-        pushed, unused = self._local.sparse(deduped)
-        keep += unused
+        tables = self._tables(sparse)
+        pushed = [None] * len(sparse)
+        for k, members in enumerate(tables):
+            table_pushed, unused = self._local.sparse([deduped[i] for i in members], tag=f"_{k}")
+            keep += unused
+            for i, pair in zip(members, table_pushed or []):
+                pushed[i] = pair
+        if not self._local.is_leader:
+            pushed = None
         pushed_ids = [ids[:0] for ids, _ in deduped]
         if pushed is not None:
             pushed_ids = []
@@ -117,7 +125,7 @@ class SyncPs:
                 with tf.control_dependencies([_op(added)]):
                     tokens.append(count(self._helper(variable, PUSHES)))
             sent.append(nbytes([grad]))
-        all_ids = self._exchange_ids(sparse, pushed_ids)
+        all_ids = self._exchange_ids(tables, pushed_ids)
         pushed_all = collectives.barrier(self._n, tokens, "kp_ps_pushed") if dense else None
         sent_bytes = tf.add_n(sent) if sent else tf.constant(0, tf.int64)
         if not self._is_chief:
@@ -129,16 +137,21 @@ class SyncPs:
         updates += [self._apply_whole(variable, grad, factors.get(self._group(variable))) for grad, variable in grads]
         return PsStep(updates, keep, sent_bytes)
 
-    def _exchange_ids(self, sparse, pushed_ids):
-        """Every worker's pushed ids, one grouped allgather per table (a variable, or all shards of a partitioned
-        table), each tied only to the pushes of its own variables: a table's exchange and update start as soon as
-        its gradient is pushed, while backprop still computes the layers below it (the softmax's rows are pushed
-        long before the input embedding's gradient exists)."""
+    def _tables(self, sparse):
+        """The positions in ``sparse`` of each table's variables (a variable, or all shards of a partitioned table),
+        in order of first appearance: the unit of the per-table collectives."""
         groups = {}
         for i, (_, variable) in enumerate(sparse):
             groups.setdefault(self._group(variable), []).append(i)
-        all_ids = [None] * len(sparse)
-        for k, members in enumerate(groups.values()):
+        return list(groups.values())
+
+    def _exchange_ids(self, tables, pushed_ids):
+        """Every worker's pushed ids, one grouped allgather per table, each tied only to the pushes of its own
+        variables: a table's exchange and update start as soon as its gradient is pushed, while backprop still
+        computes the layers below it (the softmax's rows are pushed long before the input embedding's gradient
+        exists)."""
+        all_ids = [None] * len(pushed_ids)
+        for k, members in enumerate(tables):
             gathered = collectives.allgather([pushed_ids[i] for i in members], self._n, f"kp_sparse_ids_{k}")
             for i, ids in zip(members, gathered):
                 all_ids[i] = ids

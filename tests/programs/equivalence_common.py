@@ -34,11 +34,17 @@ def data():
 
 
 def build_model(name):
+    """The equivalence model. With ``KP_EQUIVALENCE_TOKEN_BIAS=1`` in the environment (read at each call), a second
+    table, one bias per token, is looked up with the same ids and added to the output, as lm1b's softmax biases
+    are looked up with its softmax weights' ids: two tables whose gradients carry the same indices."""
     inputs = tf.keras.Input(shape=(LEN,), dtype=tf.int32)
     x = tf.keras.layers.Embedding(VOCAB, EMB, name=f"{name}_embedding")(inputs)   # [batch, LEN, EMB]
     x = tf.keras.layers.Flatten()(x)                                              # [batch, LEN*EMB]
     x = tf.keras.layers.Dense(16, activation="tanh", name=f"{name}_hidden")(x)
     outputs = tf.keras.layers.Dense(1, name=f"{name}_out")(x)
+    if os.environ.get("KP_EQUIVALENCE_TOKEN_BIAS") == "1":
+        bias = tf.keras.layers.Embedding(VOCAB, 1, name=f"{name}_token_bias")(inputs)  # [batch, LEN, 1]
+        outputs = tf.keras.layers.Add()([outputs, tf.reduce_sum(bias, axis=1)])  # [batch, 1]
     return tf.keras.Model(inputs, outputs, name=name)
 
 
