@@ -1,4 +1,4 @@
-"""Horovod collectives of a step: the dense gradient allreduce, the ids allgather, the barrier and the checked sum
+"""Horovod collectives of a step: the dense gradient allreduce, the per-table allgathers, the barrier and the checked sum
 that carries the step's logs (``logs.py``).
 
 Every collective here has a fixed name (Horovod matches tensors across workers by name) and every output the step
@@ -93,6 +93,28 @@ def allgather(tensors, num_workers, name, process_set=None):
     salt = tf.reshape(tf.cast(ready([_LOCAL_COUNTER.next()]), tensors[0].dtype), [1])
     kwargs = {} if process_set is None else {"process_set": process_set}
     return list(hvd.grouped_allgather(tensors + [salt], name=name, **kwargs))[:-1]
+
+
+def allgather_groups(tensors, groups, num_workers, name, process_set=None):
+    """``tensors`` allgathered group by group, results in the order of ``tensors``.
+
+    One grouped allgather (``allgather``) per group, named ``{name}_{k}`` for the k-th group. A group starts as
+    soon as its own tensors exist: the unit is one table (a variable or all shards of a partitioned table), so a
+    table whose gradient comes early in backprop is exchanged while the layers below it are still computed.
+
+    Args:
+      tensors: the tensors to gather.
+      groups: lists of positions in ``tensors``; together they cover each position once.
+      num_workers: the size of the group of workers (the process set's, if any).
+      name: prefix of the collectives' names (the same on every worker).
+      process_set: a Horovod process set, or None for all workers.
+    """
+    out = [None] * len(tensors)
+    for k, members in enumerate(groups):
+        gathered = allgather([tensors[i] for i in members], num_workers, f"{name}_{k}", process_set)
+        for i, tensor in zip(members, gathered):
+            out[i] = tensor
+    return out
 
 
 def barrier(num_workers, tokens=(), name="kp_barrier"):

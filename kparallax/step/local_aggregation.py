@@ -33,17 +33,22 @@ class LocalAggregation:
         """Whether this worker pushes (for its host)."""
         return self._set is None or self._set.rank() == 0
 
-    def sparse(self, deduped, tag=""):
-        """Given [(ids, rows)] per variable: what this worker pushes ([(ids, rows)], or None if it does not push)
-        and the collective outputs it must keep alive. ``tag`` tells apart the collectives of separate calls in one
-        step (one call per table, so each table's rows leave as soon as its own gradient exists)."""
+    def sparse(self, deduped, tables):
+        """What this worker pushes ([(ids, rows)] per variable, or None if it does not push) and the collective
+        outputs it must keep alive.
+
+        Args:
+          deduped: [(ids, rows)] per variable, deduplicated on this worker.
+          tables: lists of positions in ``deduped``, one per table: each table's ids and rows are gathered on their
+            own, as soon as its gradient exists.
+        """
         if self._set is None or not deduped:
             return deduped, []
         size = self._set.size()
-        ids = collectives.allgather([i for i, _ in deduped], size, f"kp_local_ids{tag}", process_set=self._set)
-        rows = collectives.allgather([r for _, r in deduped], size, f"kp_local_rows{tag}", process_set=self._set)
+        ids = collectives.allgather_groups([i for i, _ in deduped], tables, size, "kp_local_ids", self._set)
+        rows = collectives.allgather_groups([r for _, r in deduped], tables, size, "kp_local_rows", self._set)
         if not self.is_leader:
-            return None, list(ids) + list(rows)
+            return None, ids + rows
         return [dedup(i, r) for i, r in zip(ids, rows)], []
 
     def dense(self, grads):

@@ -99,14 +99,8 @@ class SyncPs:
         keep += sums
         deduped = [local_aggregation.dedup(g.indices, g.values) for g, _ in sparse]
         tables = self._tables(sparse)
-        pushed = [None] * len(sparse)
-        for k, members in enumerate(tables):
-            table_pushed, unused = self._local.sparse([deduped[i] for i in members], tag=f"_{k}")
-            keep += unused
-            for i, pair in zip(members, table_pushed or []):
-                pushed[i] = pair
-        if not self._local.is_leader:
-            pushed = None
+        pushed, unused = self._local.sparse(deduped, tables)
+        keep += unused
         pushed_ids = [ids[:0] for ids, _ in deduped]
         if pushed is not None:
             pushed_ids = []
@@ -125,7 +119,8 @@ class SyncPs:
                 with tf.control_dependencies([_op(added)]):
                     tokens.append(count(self._helper(variable, PUSHES)))
             sent.append(nbytes([grad]))
-        all_ids = self._exchange_ids(tables, pushed_ids)
+        # Each table's ids leave once its own pushes landed (the ids are tied to their push tokens above).
+        all_ids = collectives.allgather_groups(pushed_ids, tables, self._n, "kp_sparse_ids")
         pushed_all = collectives.barrier(self._n, tokens, "kp_ps_pushed") if dense else None
         sent_bytes = tf.add_n(sent) if sent else tf.constant(0, tf.int64)
         if not self._is_chief:
@@ -144,18 +139,6 @@ class SyncPs:
         for i, (_, variable) in enumerate(sparse):
             groups.setdefault(self._group(variable), []).append(i)
         return list(groups.values())
-
-    def _exchange_ids(self, tables, pushed_ids):
-        """Every worker's pushed ids, one grouped allgather per table, each tied only to the pushes of its own
-        variables: a table's exchange and update start as soon as its gradient is pushed, while backprop still
-        computes the layers below it (the softmax's rows are pushed long before the input embedding's gradient
-        exists)."""
-        all_ids = [None] * len(pushed_ids)
-        for k, members in enumerate(tables):
-            gathered = collectives.allgather([pushed_ids[i] for i in members], self._n, f"kp_sparse_ids_{k}")
-            for i, ids in zip(members, gathered):
-                all_ids[i] = ids
-        return all_ids
 
     def _divisor(self):
         """What the chief divides summed gradients by: the worker count when averaging, else 1."""
