@@ -22,7 +22,9 @@ tasks (default 1; with more, kparallax tables get as many partitions and tf-pss 
 Where: by default every task runs on this machine and talks over loopback. ``--emulate-network RATE`` (e.g. 1gbit,
 100mbit, or ``unlimited``) puts each worker on its own emulated host - a network namespace on a bridge, its link
 limited to RATE in each direction by tc (PS task i shares host i) - so the communication-bound regime of a cluster
-shows up on one machine (kparallax_bench/netem.py; root needed).
+shows up on one machine (kparallax_bench/netem.py; root needed). ``--workers_per_host K`` puts K workers on each
+emulated host instead (ranks K*i .. K*i+K-1 on host i), as on machines with several GPUs: their traffic inside the host
+stays on its loopback, and kparallax's ``local_aggregation="auto"`` aggregates there.
 
 For each variant and worker count: throughput (global items/s: median and min/max over repeats, from the median step
 time of each repeat), ms/step, **measured** bytes per step per worker (bytes sent during the timed steps / steps /
@@ -81,6 +83,9 @@ def parse(argv=None):
     parser.add_argument("--png", default=None, help="write the chart here (matplotlib)")
     parser.add_argument("--emulate-network", dest="emulate_network", default=None,
                         help="RATE per host link (1gbit, 100mbit, ...) or 'unlimited': one namespace per worker")
+    parser.add_argument("--workers_per_host", type=int, default=1,
+                        help="with --emulate-network: workers per emulated host (default 1); every worker count "
+                             "must be a multiple of it")
     parser.add_argument("--timeout", type=float, default=900.0, help="per run")
     parser.add_argument("--profile", default=None,
                         help="trace every worker's timed steps with TensorFlow's profiler into "
@@ -110,9 +115,17 @@ def parse(argv=None):
                      f"--warmup={args.warmup}.")
     if args.ps < 1:
         parser.error(f"--ps must be >= 1. Received: --ps={args.ps}.")
-    if args.emulate_network and args.ps > min(args.workers):
-        parser.error(f"with --emulate-network, PS task i runs on worker i's host, so --ps may not exceed the "
-                     f"smallest worker count. Received: --ps={args.ps}, --workers={','.join(map(str, args.workers))}.")
+    per_host = args.workers_per_host
+    if per_host < 1 or (per_host > 1 and not args.emulate_network):
+        parser.error(f"--workers_per_host must be >= 1, and above 1 only with --emulate-network (hosts are emulated "
+                     f"there). Received: --workers_per_host={per_host}.")
+    if any(w % per_host for w in args.workers):
+        parser.error(f"every worker count must be a multiple of --workers_per_host. Received: --workers="
+                     f"{','.join(map(str, args.workers))}, --workers_per_host={per_host}.")
+    if args.emulate_network and args.ps > min(args.workers) // per_host:
+        parser.error(f"with --emulate-network, PS task i runs on host i, so --ps may not exceed the smallest host "
+                     f"count (workers / --workers_per_host). Received: --ps={args.ps}, --workers="
+                     f"{','.join(map(str, args.workers))}, --workers_per_host={per_host}.")
     for flag in ("json", "markdown", "png"):  # checked before the runs, not after them
         path = getattr(args, flag)
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
@@ -146,28 +159,29 @@ def plan(variant, workers, args, hosts, out, tmp):
             return [(0, [sys.executable, "-m", "kparallax.launch", "--workers", str(workers), "--ps", str(num_ps),
                          "--log_dir", logs] + common + ["--"] + bench, {}, True)]
         cluster = os.path.join(tmp, f"cluster-{variant}-{workers}.yaml")
+        machines, per_host = hosts.count(workers), workers // hosts.count(workers)
         with open(cluster, "w", encoding="utf-8") as f:
-            f.write("hosts:\n" + "".join(f"  - host: {hosts.address(i)}\n    workers: 1\n    ps: "
-                                         f"{1 if i < num_ps else 0}\n" for i in range(workers)))
+            f.write("hosts:\n" + "".join(f"  - host: {hosts.address(i)}\n    workers: {per_host}\n    ps: "
+                                         f"{1 if i < num_ps else 0}\n" for i in range(machines)))
         return [(i, [sys.executable, "-m", "kparallax.launch", "--cluster", cluster, "--host-index", str(i),
-                     "--log_dir", f"{logs}/host{i}"] + common + ["--"] + bench, {}, True) for i in range(workers)]
+                     "--log_dir", f"{logs}/host{i}"] + common + ["--"] + bench, {}, True) for i in range(machines)]
     if variant.startswith("horovod"):  # plain Horovod workers; Horovod's own Gloo rendezvous (served by the driver)
-        slots = rendezvous.slot_plan_for_hosts([hosts.address(hosts.host_of(rank)) for rank in range(workers)])
+        slots = rendezvous.slot_plan_for_hosts([hosts.address(hosts.worker_host(rank)) for rank in range(workers)])
         port = portpicker.pick_unused_port()
         hosts.serve(rendezvous.Coordinator(hosts.gateway, port, slots))
-        return [(hosts.host_of(rank), bench, rendezvous.horovod_env(slot, hosts.gateway, port,
-                                                                   hosts.interface(hosts.host_of(rank))), True)
+        return [(hosts.worker_host(rank), bench, rendezvous.horovod_env(slot, hosts.gateway, port,
+                                                                       hosts.interface(hosts.worker_host(rank))), True)
                 for rank, slot in enumerate(slots)]
     # tf-pss: TensorFlow servers for the workers and PS tasks, and a chief (coordinator) process running Model.fit.
     ports = iter(portpicker.pick_unused_port() for _ in range(1 + workers + num_ps))
     cluster = {"chief": [f"{hosts.address(0)}:{next(ports)}"],
-               "worker": [f"{hosts.address(hosts.host_of(i))}:{next(ports)}" for i in range(workers)],
-               "ps": [f"{hosts.address(hosts.host_of(i))}:{next(ports)}" for i in range(num_ps)]}
+               "worker": [f"{hosts.address(hosts.worker_host(i))}:{next(ports)}" for i in range(workers)],
+               "ps": [f"{hosts.address(hosts.ps_host(i))}:{next(ports)}" for i in range(num_ps)]}
 
     def config(role, index):
         return {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": role, "index": index}})}
-    return ([(hosts.host_of(i), bench, config("ps", i), False) for i in range(num_ps)]
-            + [(hosts.host_of(i), bench, config("worker", i), False) for i in range(workers)]
+    return ([(hosts.ps_host(i), bench, config("ps", i), False) for i in range(num_ps)]
+            + [(hosts.worker_host(i), bench, config("worker", i), False) for i in range(workers)]
             + [(0, bench, config("chief", 0), True)])
 
 
@@ -184,7 +198,16 @@ class LocalHosts:
         return "localhost"
 
     @staticmethod
-    def host_of(task):
+    def count(workers):
+        """How many hosts ``workers`` workers occupy."""
+        return 1
+
+    @staticmethod
+    def worker_host(rank):
+        return 0
+
+    @staticmethod
+    def ps_host(index):
         return 0
 
     @staticmethod
@@ -209,18 +232,26 @@ class LocalHosts:
 
 
 class EmulatedHosts(LocalHosts):
-    """One namespace ("host") per worker on an emulated network; PS task i on host i."""
+    """Namespaces ("hosts") on an emulated network, ``workers_per_host`` workers each (ranks in host order); PS task
+    i on host i."""
     emulated = True
 
-    def __init__(self, network):
+    def __init__(self, network, workers_per_host=1):
         super().__init__()
-        self.network, self.gateway = network, network.gateway
+        self.network, self.gateway, self.per_host = network, network.gateway, workers_per_host
 
     def address(self, index):
         return self.network.address(index)
 
-    def host_of(self, task):
-        return task % self.network.hosts
+    def count(self, workers):
+        return workers // self.per_host
+
+    def worker_host(self, rank):
+        return rank // self.per_host
+
+    @staticmethod
+    def ps_host(index):
+        return index
 
     def interface(self, index):
         return self.network.interfaces[index]
@@ -347,7 +378,9 @@ def _tail(path, size=1500):
         return f"--- {os.path.basename(path)}\n" + f.read()[-size:]
 
 
-def summarize(runs, variant, workers):
+def summarize(runs, variant, workers, workers_per_host=1):
+    """One variant@workers entry of the report. The analytic floor assumes one worker per host; with several, what
+    they send each other stays off the links, so no floor is given (None)."""
     first = runs[0]
     medians = [statistics.median(r["step_seconds"]) for r in runs]
     per_second = [first["shape"]["items_per_step"] * workers / m for m in medians]
@@ -358,7 +391,8 @@ def summarize(runs, variant, workers):
     return {"variant": variant, "workers": workers, "unit": first["shape"]["unit"] + "/s",
             "throughput": statistics.median(per_second), "throughput_min": min(per_second),
             "throughput_max": max(per_second), "ms_per_step": 1000 * statistics.median(medians),
-            "bytes_per_step": statistics.median(measured), "floor_bytes_per_step": traffic.floor_bytes(first["shape"], variant, workers),
+            "bytes_per_step": statistics.median(measured), "floor_bytes_per_step": (
+                traffic.floor_bytes(first["shape"], variant, workers) if workers_per_host == 1 else None),
             "cpu_seconds_per_step": cpu_per_step, "repeats": len(runs), "shape": first["shape"],
             "busiest_link_bytes_per_step": statistics.median(busiest) if busiest else None}
 
@@ -372,12 +406,14 @@ def markdown(results, model):
              + ("busiest link MB/step | " if links else "") + "CPU-s/step: workers+chief / PS / kernel / all |",
              "|---|---|---|---|---|---|---|" + ("---|" if links else "") + "---|"]
     for entry in results.values():
-        ratio = entry["bytes_per_step"] / entry["floor_bytes_per_step"] if entry["floor_bytes_per_step"] else float("nan")
+        floor = entry["floor_bytes_per_step"]
+        ratio = entry["bytes_per_step"] / floor if floor else float("nan")
+        floor_cell = "-" if floor is None else f"{floor / 1e6:.2f} MB"
         busiest = entry.get("busiest_link_bytes_per_step")
         link_cell = ("-" if busiest is None else f"{busiest / 1e6:.2f}") + " | " if links else ""
         lines.append(f"| {entry['variant']} | {entry['workers']} | {entry['throughput']:.0f} "
                      f"[{entry['throughput_min']:.0f}-{entry['throughput_max']:.0f}] | {entry['ms_per_step']:.1f} | "
-                     f"{entry['bytes_per_step'] / 1e6:.2f} MB | {entry['floor_bytes_per_step'] / 1e6:.2f} MB | "
+                     f"{entry['bytes_per_step'] / 1e6:.2f} MB | {floor_cell} | "
                      f"{ratio:.2f} | {link_cell}{_cpu_cell(entry.get('cpu_seconds_per_step', {}))} |")
     return f"Model {model}\n\n" + "\n".join(lines)
 
@@ -411,20 +447,21 @@ def main(argv=None):
     args = parse(argv)
     network = None
     if args.emulate_network:
-        network = netem.Network(max(args.workers), rate=args.rate)
+        network = netem.Network(max(args.workers) // args.workers_per_host, rate=args.rate)
         reason = network.up()
         if reason:
             print(f"benchmark.py: --emulate-network needs network namespaces: {reason}. Run as root on Linux, or "
                   f"leave out --emulate-network. Received: --emulate-network={args.emulate_network}.", file=sys.stderr)
             return 2
     try:
-        results = run_all(args, EmulatedHosts(network) if network else LocalHosts())
+        results = run_all(args, EmulatedHosts(network, args.workers_per_host) if network else LocalHosts())
     finally:
         if network:
             network.down()
     report = {"model": args.model, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
               "steps_per_execution": args.steps_per_execution, "local_aggregation": args.local_aggregation,
               "batch_size": args.batch_size, "ps": args.ps, "emulate_network": args.emulate_network,
+              "workers_per_host": args.workers_per_host,
               "machine": {"cpus": os.cpu_count()}, "variants": results}
     with open(args.json, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2)
@@ -452,7 +489,8 @@ def run_all(args, hosts):
                     result = run_once(variant, workers, args, hosts, marks, tmp)
                     raw.setdefault(f"{variant}@{workers}", []).append(result)
             for variant in variants:
-                results[f"{variant}@{workers}"] = summarize(raw[f"{variant}@{workers}"], variant, workers)
+                results[f"{variant}@{workers}"] = summarize(raw[f"{variant}@{workers}"], variant, workers,
+                                                            args.workers_per_host)
     return results
 
 

@@ -75,6 +75,10 @@ def load(path):
                          "scripts/benchmark.py --json FILE.") from None
     if not report.get("variants") or "shape" not in next(iter(report["variants"].values())):
         raise SystemExit(f"project_scaling.py: {path!r} has no per-variant shapes; re-run scripts/benchmark.py.")
+    if report.get("workers_per_host", 1) != 1:
+        raise SystemExit(f"project_scaling.py: {path!r} ran several workers per emulated host; the model is fitted "
+                         "on one worker per host (run scripts/benchmark.py without --workers_per_host). Received: "
+                         f"workers_per_host={report['workers_per_host']}.")
     return report
 
 

@@ -90,11 +90,43 @@ def test_steps_per_execution_applies_to_every_variant(tmp_path):
         assert entry["throughput"] > 0 and entry["bytes_per_step"] > 0, (key, entry)
 
 
+@pytest.mark.multiprocess
+def test_several_workers_per_emulated_host(tmp_path):
+    """--workers_per_host 2: 4 workers on 2 emulated 1 Gbit/s hosts (ranks 0-1 on host 0, 2-3 on host 1). kparallax's
+    cluster file lists two workers per host, Horovod's rendezvous two slots per host; only what crosses hosts is
+    counted, so no per-worker floor is given, and project_scaling.py refuses the report."""
+    out = tmp_path / "hosts.json"
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "benchmark.py"), "--model", "lm1b_tiny",
+                           "--workers", "4", "--workers_per_host", "2", "--steps", "2", "--warmup", "1",
+                           "--repeats", "1", "--batch_size", "4", "--variants", "kparallax-hybrid,horovod",
+                           "--emulate-network", "1gbit", "--json", str(out)],
+                          capture_output=True, text=True, timeout=900, check=False)
+    if done.returncode == 2 and "needs network namespaces" in done.stderr:
+        pytest.skip(done.stderr.strip())
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["workers_per_host"] == 2 and set(report["variants"]) == {"kparallax-hybrid@4", "horovod@4"}
+    for key, entry in report["variants"].items():
+        assert entry["throughput"] > 0 and entry["bytes_per_step"] > 0, (key, entry)
+        assert entry["floor_bytes_per_step"] is None, (key, entry)
+        total = entry["bytes_per_step"] * entry["workers"]   # two links: the busier sending one has at least half
+        assert total / 2 <= entry["busiest_link_bytes_per_step"] <= 1.05 * total, (key, entry)
+    assert "| kparallax-hybrid | 4 |" in done.stdout and "| - |" in done.stdout
+    refused = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "project_scaling.py"), "--bench",
+                              str(out)], capture_output=True, text=True, timeout=300, check=False)
+    assert refused.returncode != 0 and "Received: workers_per_host=2" in refused.stderr, refused.stderr[-2000:]
+
+
 def test_bad_arguments_are_named():
     for argv, message in ((["--emulate-network", "fast"], "Received: 'fast'"),
                           (["--variants", "tf-ps"], "unknown variant 'tf-ps'"),
                           (["--emulate-network", "1gbit", "--ps", "3", "--workers", "2"], "Received: --ps=3"),
                           (["--steps_per_execution", "3", "--steps", "4"], "Received: --steps_per_execution=3"),
+                          (["--workers_per_host", "2", "--workers", "4"], "Received: --workers_per_host=2"),
+                          (["--emulate-network", "1gbit", "--workers_per_host", "2", "--workers", "3"],
+                           "--workers=3, --workers_per_host=2"),
+                          (["--emulate-network", "1gbit", "--workers_per_host", "2", "--workers", "4", "--ps", "3"],
+                           "Received: --ps=3"),
                           (["--json", "/nonexistent-dir/b.json"], "Received: --json=/nonexistent-dir/b.json")):
         done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "benchmark.py"), *argv],
                               capture_output=True, text=True, timeout=120, check=False)
