@@ -408,13 +408,13 @@ def markdown(results, model):
     for entry in results.values():
         floor = entry["floor_bytes_per_step"]
         ratio = entry["bytes_per_step"] / floor if floor else float("nan")
-        floor_cell = "-" if floor is None else f"{floor / 1e6:.2f} MB"
+        floor_cell, ratio_cell = ("-", "-") if floor is None else (f"{floor / 1e6:.2f} MB", f"{ratio:.2f}")
         busiest = entry.get("busiest_link_bytes_per_step")
         link_cell = ("-" if busiest is None else f"{busiest / 1e6:.2f}") + " | " if links else ""
         lines.append(f"| {entry['variant']} | {entry['workers']} | {entry['throughput']:.0f} "
                      f"[{entry['throughput_min']:.0f}-{entry['throughput_max']:.0f}] | {entry['ms_per_step']:.1f} | "
                      f"{entry['bytes_per_step'] / 1e6:.2f} MB | {floor_cell} | "
-                     f"{ratio:.2f} | {link_cell}{_cpu_cell(entry.get('cpu_seconds_per_step', {}))} |")
+                     f"{ratio_cell} | {link_cell}{_cpu_cell(entry.get('cpu_seconds_per_step', {}))} |")
     return f"Model {model}\n\n" + "\n".join(lines)
 
 
