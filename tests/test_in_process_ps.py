@@ -4,12 +4,15 @@ Exercises placement, the registry, the Keras hooks, step building (push, id exch
 and the aggregation math without the launcher. Expected values come from plain Keras in this same process.
 """
 
+import contextlib
+
 import numpy as np
 import portpicker
 import pytest
 import tensorflow as tf
 
 import kparallax as kp
+from kparallax._compat import keras as keras_compat
 
 VOCAB, EMB, LEN = 60, 4, 3
 
@@ -401,3 +404,156 @@ def test_mixed_precision_recompile_keeps_the_optimizer_and_an_explicit_loss_scal
     for got, want in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+
+
+SAVED = {  # optimizer, strategy options, per-worker batch
+    "adam_partitioned": (lambda: tf.keras.optimizers.Adam(0.05), {"partitions": 3}, 16),
+    "legacy_adam": (lambda: tf.keras.optimizers.legacy.Adam(0.05), {"partitions": 2}, 16),
+    "sgd_momentum_ps_architecture": (lambda: tf.keras.optimizers.SGD(0.1, momentum=0.9),
+                                     {"architecture": "ps", "partitions": 2}, 16),
+    "adagrad_async": (lambda: tf.keras.optimizers.Adagrad(0.2), {"sync": False, "partitions": 2}, 16),
+    "rmsprop_accumulated": (lambda: tf.keras.optimizers.RMSprop(0.05, momentum=0.5),
+                            {"backward_passes_per_step": 2, "partitions": 2}, 8),
+    "adam_mixed_precision": (lambda: tf.keras.optimizers.Adam(0.05), {"partitions": 2}, 16),
+    "sgd_ema": (lambda: tf.keras.optimizers.SGD(0.1, momentum=0.5, use_ema=True, ema_momentum=0.9),
+                {"partitions": 2}, 16),
+}
+
+
+@contextlib.contextmanager
+def _policy_of(name):
+    """The case's global dtype policy (``*_mixed_precision``: mixed_float16) inside; float32 again after."""
+    if name.endswith("mixed_precision"):
+        tf.keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        yield
+    finally:
+        tf.keras.mixed_precision.set_global_policy("float32")
+
+
+def _trained(name, make_optimizer, batch=16, strategy=None):
+    """A model named ``name`` from ``_initial`` weights, compiled (in ``strategy``'s scope if given) and trained one
+    epoch of ``_data`` unshuffled."""
+    x, y = _data()
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        model = _model(name)
+        model.set_weights(_initial(model))
+        model.compile(optimizer=make_optimizer(), loss="mse")
+    model.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
+    return model
+
+
+def _optimizer_state(model):
+    optimizer = model.optimizer
+    keras_compat.build_optimizer(getattr(optimizer, "inner_optimizer", optimizer), model.trainable_variables)
+    return [v.numpy() for v in keras_compat.optimizer_variables(optimizer)]
+
+
+@pytest.mark.parametrize("name", sorted(SAVED))
+def test_model_save_holds_the_optimizer_state_one_process_saves(strategy, tmp_path, name):
+    """model.save in every format: a plain process loads the optimizer state (tables' slots joined over shards, in
+    Keras' order) that plain Keras saves and loads for the same training, and goes on training exactly as it."""
+    make_optimizer, options, batch = SAVED[name]
+    x, y = _data()
+    with _policy_of(name):
+        plain = _trained(f"plain_saved_{name}", make_optimizer)
+        model = _trained(f"fast_saved_{name}", make_optimizer, batch, kp.HybridStrategy(strategy.cluster, **options))
+        plain_state, resumed = _optimizer_state(plain), None
+        for path in ("model.keras", "model.h5", "saved_model"):
+            model.save(str(tmp_path / f"fast_{path}"))
+            plain.save(str(tmp_path / f"plain_{path}"))
+            got = tf.keras.models.load_model(str(tmp_path / f"fast_{path}"))
+            want = tf.keras.models.load_model(str(tmp_path / f"plain_{path}"))
+            got_state, want_state = _optimizer_state(got), _optimizer_state(want)
+            assert len(got_state) == len(want_state) == len(plain_state), path
+            for a, b in zip(got_state, want_state):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=path)
+            if resumed is None and all(np.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(want_state, plain_state)):
+                resumed = got  # a format that holds the whole state (Keras keeps less in some, e.g. legacy in .keras)
+        assert resumed is not None, "no format held the trained optimizer state"
+        resumed.fit(x, y, batch_size=16, shuffle=False, verbose=0)  # goes on in a plain process
+        plain.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+        for a, b in zip(resumed.get_weights(), plain.get_weights()):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    model.fit(x, y, batch_size=batch, shuffle=False, verbose=0)  # saving left kparallax's optimizer in place
+    for a, b in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["adam_partitioned", "legacy_adam", "adagrad_async", "adam_mixed_precision"])
+def test_tf_format_weights_carry_the_optimizer_state_both_ways(strategy, tmp_path, name):
+    """save_weights / load_weights in TensorFlow's format (what ModelCheckpoint(save_weights_only=True) writes and
+    a resumed program loads): kparallax -> plain Keras and plain Keras -> a fresh kparallax model both go on
+    training exactly as the plain model that wrote or read the state."""
+    make_optimizer, options, batch = SAVED[name]
+    x, y = _data()
+    with _policy_of(name):
+        plain = _trained(f"plain_weights_{name}", make_optimizer)
+        plain.save_weights(str(tmp_path / "plain" / "ckpt"))
+        kp_strategy = kp.HybridStrategy(strategy.cluster, **options)
+        model = _trained(f"fast_weights_{name}", make_optimizer, batch, kp_strategy)
+        model.save_weights(str(tmp_path / "fast" / "ckpt"))
+        with kp_strategy.scope():
+            loaded = _model(f"fast_loaded_{name}")
+            loaded.compile(optimizer=make_optimizer(), loss="mse")
+        loaded.load_weights(str(tmp_path / "plain" / "ckpt"))
+        reader = _model(f"plain_reader_{name}")
+        reader.compile(optimizer=make_optimizer(), loss="mse")
+        reader.load_weights(str(tmp_path / "fast" / "ckpt"))
+        for other in (loaded, reader):
+            other.fit(x, y, batch_size=batch if other is loaded else 16, shuffle=False, verbose=0)
+        plain.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    for other in (loaded, reader):
+        for a, b in zip(other.get_weights(), plain.get_weights()):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=other.name)
+        assert int(other.optimizer.iterations) == int(plain.optimizer.iterations)
+
+
+@pytest.mark.parametrize("path", ["model.keras", "model.h5", "saved_model"])
+@pytest.mark.parametrize("name", ["adam_partitioned", "legacy_adam", "adam_mixed_precision"])
+def test_strategy_load_model_goes_on_training_as_the_plain_loaded_model(strategy, tmp_path, name, path):
+    """strategy.load_model of a file plain Keras saved: the model trains on under kparallax exactly as the model
+    tf.keras.models.load_model gives a plain process (weights, optimizer state, step); and kparallax's own file
+    of that run loads the same way. Keras' load_model inside the scope is refused with the fix."""
+    make_optimizer, options, _ = SAVED[name]
+    x, y = _data()
+    with _policy_of(name):
+        plain = _trained(f"plain_load_{name}_{path.replace('.', '_')}", make_optimizer)
+        plain.save(str(tmp_path / path))
+        reference = tf.keras.models.load_model(str(tmp_path / path))
+        kp_strategy = kp.HybridStrategy(strategy.cluster, **options)
+        with kp_strategy.scope():
+            with pytest.raises(ValueError, match=r"Use `model = strategy.load_model\(path\)`"):
+                tf.keras.models.load_model(str(tmp_path / path))
+        model = kp_strategy.load_model(str(tmp_path / path))
+        assert model.get_layer(f"{plain.name}_embedding").embeddings.name.startswith(plain.name)
+        assert kp_strategy.is_ps_variable(model.get_layer(f"{plain.name}_embedding").weights[0])
+        assert len(model.get_layer(f"{plain.name}_embedding").weights) == options["partitions"]
+        model.save(str(tmp_path / f"again_{path}"))
+        again = kp_strategy.load_model(str(tmp_path / f"again_{path}"))
+        for trained in (reference, model, again):
+            trained.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    for got in (model, again):
+        assert int(got.optimizer.iterations) == int(reference.optimizer.iterations)
+        for a, b in zip(got.get_weights(), reference.get_weights()):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_strategy_load_model_without_compiling_gives_the_weights_on_the_ps(strategy, tmp_path):
+    plain = _model("plain_uncompiled_load")
+    plain.set_weights(_initial(plain))
+    plain.save(str(tmp_path / "model.keras"))
+    kp_strategy = kp.HybridStrategy(strategy.cluster, partitions=2)
+    with kp_strategy.scope():  # inside the scope too
+        model = kp_strategy.load_model(str(tmp_path / "model.keras"), compile=False)
+    assert model.optimizer is None and len(model.get_layer("plain_uncompiled_load_embedding").weights) == 2
+    for a, b in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    with kp_strategy.scope():
+        model.compile(optimizer=tf.keras.optimizers.Adagrad(0.2), loss="mse")
+    plain.compile(optimizer=tf.keras.optimizers.Adagrad(0.2), loss="mse")
+    x, y = _data()
+    for trained in (model, plain):
+        trained.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    for a, b in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

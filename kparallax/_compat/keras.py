@@ -131,6 +131,21 @@ def build_optimizer(optimizer, var_list):
         optimizer._create_all_weights(var_list)  # pylint: disable=protected-access
 
 
+def is_built(optimizer):
+    """Whether ``build_optimizer`` (or a first ``apply_gradients``) has created the optimizer's slots."""
+    if optimizer_family(optimizer) == "new":
+        return bool(getattr(optimizer, "_built", False))
+    return bool(getattr(optimizer, "_slots", None)) or bool(getattr(optimizer, "_weights", None))
+
+
+def copy_loss_scale(source, target):
+    """Gives the ``LossScaleOptimizer`` ``target`` the current loss scale and growth counter of ``source`` (the
+    scale's variable is the private ``_loss_scale.current_loss_scale`` in Keras 2.11-2.15, either family)."""
+    if source.dynamic:
+        target._loss_scale.current_loss_scale.assign(source.loss_scale)  # pylint: disable=protected-access
+        target.dynamic_counter.assign(source.dynamic_counter)
+
+
 def optimizer_variables(optimizer):
     """The optimizer's own variables (iterations, slots, ...) in creation order, for either family."""
     if optimizer_family(optimizer) == "new":
@@ -175,6 +190,19 @@ def layer_being_built(max_depth=40):
         owner = frame.f_locals.get("self")
         if isinstance(owner, Layer) and frame.f_code.co_name in ("build", "add_weight"):
             return owner
+        frame = frame.f_back
+        depth += 1
+    return None
+
+
+def keras_loader_on_stack(max_depth=200):
+    """``"tf.keras.models.load_model"`` if Keras' model loader (any format) is on the call stack, else None."""
+    frame = sys._getframe(1)  # pylint: disable=protected-access
+    depth = 0
+    while frame is not None and depth < max_depth:
+        path = frame.f_code.co_filename.replace("\\", "/")
+        if frame.f_code.co_name == "load_model" and "/saving/" in path and "keras" in path:
+            return "tf.keras.models.load_model"
         frame = frame.f_back
         depth += 1
     return None

@@ -84,6 +84,17 @@ def active(strategy):
         stack.pop()
 
 
+@contextlib.contextmanager
+def outside_scopes():
+    """Inside: no strategy's scope is active in this thread (``compile`` is Keras' own), as in a plain process."""
+    stack = getattr(_LOCAL, "stack", None)
+    _LOCAL.stack = []
+    try:
+        yield
+    finally:
+        _LOCAL.stack = stack
+
+
 def install(strategy):
     """Remembers ``strategy`` and wraps ``tf.keras.Model.compile`` once (idempotent)."""
     _STRATEGIES.add(strategy)
@@ -200,9 +211,10 @@ def _compile(model, *args, **kwargs):
     _bind_method(model, "make_train_function", _make_train_function, original_method(model, "make_train_function"))
     if strategy.options.sync:
         _bind_method(model, "train_step", _train_step, original_method(model, "train_step"))
-    for name in ("save", "save_weights", "export"):
-        _bind_method(model, name, saving.save, original_method(model, name), strategy)
-    _bind_method(model, "load_weights", saving.load_weights, original_method(model, "load_weights"), strategy)
+    _bind_method(model, "save", saving.save_with_optimizer, original_method(model, "save"), strategy, clones)
+    _bind_method(model, "save_weights", saving.save_weights, original_method(model, "save_weights"), strategy, clones)
+    _bind_method(model, "export", saving.save, original_method(model, "export"), strategy)
+    _bind_method(model, "load_weights", saving.load_weights, original_method(model, "load_weights"), strategy, clones)
     result = original(*bound.args, **bound.kwargs)
     if strategy.options.sync:
         summed_losses.install(model)

@@ -7,12 +7,14 @@ that has never imported kparallax. Only worker 0 writes files.
 """
 
 import contextlib
+import os
 import threading
 
 import tensorflow as tf
 
 from kparallax._compat import keras as keras_compat
 from kparallax._compat import tf as tf_compat
+from kparallax.core import saved_optimizer
 
 _LOCAL = threading.local()
 
@@ -23,7 +25,7 @@ def plain_variables_active():
 
 
 @contextlib.contextmanager
-def _plain_variables():
+def plain_variables():
     _LOCAL.plain = True
     try:
         yield
@@ -32,7 +34,7 @@ def _plain_variables():
 
 
 @contextlib.contextmanager
-def _whole_tables(strategy, model):
+def whole_tables(strategy, model):
     """Inside: each partitioned table of ``model`` is one ordinary local variable holding the whole table (read
     from its shards), so Keras' savers write -- and loaders read -- it whole, as a plain process has it."""
     tables_seen, swaps = set(), []
@@ -45,7 +47,7 @@ def _whole_tables(strategy, model):
         yield []
         return
     wholes = []
-    with _plain_variables(), tf.init_scope():
+    with plain_variables(), tf.init_scope():
         for table in swaps:
             value = table.sharded.whole()
             wholes.append(tf.Variable(value, trainable=table.shards[0].trainable, name=table.path.split("/")[-1]))
@@ -59,20 +61,73 @@ def _whole_tables(strategy, model):
 
 
 def save(original, strategy, model, *args, **kwargs):
-    """Keras' ``save`` / ``save_weights`` / ``export`` on worker 0 only (one writer), each table saved whole: the
-    files load in a plain TensorFlow process, whatever the partitioning."""
+    """Keras' ``export`` on worker 0 only (one writer), each table saved whole: the files load in a plain
+    TensorFlow process, whatever the partitioning."""
     if not strategy.is_chief:
         return None
-    with _whole_tables(strategy, model):
+    with whole_tables(strategy, model):
         return original(model, *args, **kwargs)
 
 
-def load_weights(original, strategy, model, *args, **kwargs):
-    """Keras' ``load_weights`` of a file holding whole tables; worker 0 writes them into the shards on the PS."""
-    with _whole_tables(strategy, model) as swaps:
-        result = original(model, *args, **kwargs)
+def save_with_optimizer(original, strategy, clones, model, *args, **kwargs):
+    """Keras' ``save`` / ``save_weights`` as ``save`` does; in addition, for the call, ``model.optimizer`` is a
+    plain optimizer holding the whole trained state (``saved_optimizer``: PS-side slots joined, in the order one
+    process creates them), so a plain process that loads the file resumes training where this one stands. Nothing
+    is built with ``include_optimizer=False``."""
+    if not strategy.is_chief:
+        return None
+    with whole_tables(strategy, model) as wholes:
+        if model.optimizer is None or not kwargs.get("include_optimizer", True):
+            return original(model, *args, **kwargs)
+        trained = model.optimizer
+        with plain_variables():  # its slots and stand-ins are local, as in one process, even inside the scope
+            model.optimizer, _ = saved_optimizer.plain_optimizer(strategy, model, clones, wholes)
+        try:
+            return original(model, *args, **kwargs)
+        finally:
+            model.optimizer = trained
+
+
+def save_weights(original, strategy, clones, model, *args, **kwargs):
+    """Keras' ``save_weights``: a TensorFlow-format checkpoint holds the optimizer too (``save_with_optimizer``),
+    an ``.h5`` file only the weights (``save``)."""
+    filepath = args[0] if args else kwargs.get("filepath")
+    save_format = args[2] if len(args) > 2 else kwargs.get("save_format")
+    if save_format in ("tf", "tensorflow") or (save_format is None and _is_tf_checkpoint(filepath)):
+        return save_with_optimizer(original, strategy, clones, model, *args, **kwargs)
+    return save(original, strategy, model, *args, **kwargs)
+
+
+def load_weights(original, strategy, clones, model, *args, **kwargs):
+    """Keras' ``load_weights`` of a file holding whole tables; worker 0 writes them into the shards on the PS.
+
+    A TensorFlow-format checkpoint also holds the optimizer state (``save_weights`` writes it as one process
+    would): for the call, ``model.optimizer`` is the plain optimizer ``save_with_optimizer`` would write, Keras
+    restores into it, and its state goes back to the optimizer Keras trains with and (worker 0) the PS-side
+    clones, so training goes on as one process's would after ``load_weights``."""
+    filepath = args[0] if args else kwargs.get("filepath")
+    with whole_tables(strategy, model) as swaps:
+        if model.optimizer is None or not _is_tf_checkpoint(filepath):
+            result = original(model, *args, **kwargs)
+        else:
+            trained = model.optimizer
+            with plain_variables():
+                model.optimizer, load_back = saved_optimizer.plain_optimizer(strategy, model, clones, swaps)
+            try:
+                result = original(model, *args, **kwargs)
+            finally:
+                model.optimizer = trained
+            with plain_variables():
+                load_back()
         if strategy.is_chief:
             for table, whole in swaps:
                 table.sharded.assign(whole.read_value())
     tf_compat.async_wait()
     return result
+
+
+def _is_tf_checkpoint(filepath):
+    """Whether Keras' ``load_weights`` reads ``filepath`` as a TensorFlow checkpoint (not ``.h5`` / ``.keras``)."""
+    if not isinstance(filepath, (str, os.PathLike)):
+        return False
+    return not str(filepath).endswith((".h5", ".hdf5", ".keras"))

@@ -20,6 +20,7 @@ from kparallax._compat import tf as tf_compat
 from kparallax.cluster import Cluster
 from kparallax.cluster import runtime
 from kparallax.core import keras_hooks
+from kparallax.core import loading
 from kparallax.core import options as options_lib
 from kparallax.core import partition_search
 from kparallax.core import placement as placement_lib
@@ -174,9 +175,37 @@ class HybridStrategy:
         with keras_hooks.active(self), tf.variable_creator_scope(self._create_variable):
             yield self
 
+    def load_model(self, filepath, custom_objects=None, compile=True):  # pylint: disable=redefined-builtin
+        """``tf.keras.models.load_model`` for training under this strategy; call it on every worker.
+
+        The file (``.keras``, ``.h5`` or SavedModel, written by one process or by kparallax's ``model.save``) is
+        loaded as one process loads it; the model is rebuilt from its config inside the scope (tables placed and
+        partitioned, compiled by kparallax from the saved compile config), and gets the file's weights and
+        optimizer state: ``iterations`` and the replicated variables' slots on every worker, the PS variables'
+        slots split over their shards by worker 0. ``fit`` then goes on as it would in the process that saved the
+        file. Keras' ``load_model`` itself is refused inside the scope (it cannot split tables or reach the PS-side
+        optimizer state).
+
+        Args:
+          filepath: the saved model.
+          custom_objects: as for ``tf.keras.models.load_model``.
+          compile: as for ``tf.keras.models.load_model``; False: an uncompiled model (weights only).
+
+        Returns:
+          The model, compiled under this strategy if the file was compiled and ``compile`` is True.
+        """
+        return loading.load_model(self, filepath, custom_objects=custom_objects, compile=compile)
+
     def _create_variable(self, next_creator, **kwargs):
         if saving.plain_variables_active():
             return next_creator(**kwargs)
+        loader = keras_compat.keras_loader_on_stack()
+        if loader:
+            raise ValueError(
+                f"{loader} inside HybridStrategy.scope() is not supported: Keras would load each table into one "
+                "shard and the optimizer state into the wrong optimizer. Received: a variable "
+                f"{kwargs.get('name')!r} created by {loader}. Use `model = strategy.load_model(path)` on every "
+                "worker (inside or outside the scope), or build the model in the scope and call model.load_weights.")
         path = tf_compat.full_variable_name(kwargs.get("name"))
         initial_value = kwargs.get("initial_value")
         shape = kwargs.get("shape")

@@ -178,3 +178,11 @@ def wrap(optimizer, step):
     keras_compat.mark_owned(wrapped)
     wrapped._kp_step = step  # pylint: disable=protected-access
     return wrapped
+
+
+def plain_class(optimizer):
+    """The user's optimizer class behind a routing optimizer (``wrap``); any other optimizer's own class."""
+    cls = type(optimizer)
+    if issubclass(cls, _RoutingMixin):
+        return next(c for c in cls.__mro__[1:] if not issubclass(c, _RoutingMixin))
+    return cls

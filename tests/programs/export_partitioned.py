@@ -1,9 +1,12 @@
 """Trains a model with a partitioned table (run under kparallax-run, 2 PS tasks) and saves it every way Keras
-offers; writes the expected weights and predictions for load_plain.py. Usage: export_partitioned.py OUT_DIR"""
+offers; writes the expected weights and predictions, and the initial weights and data of a one-process reference, for
+load_plain.py; then loads model.keras with strategy.load_model on both workers and trains one more epoch
+(continued.npz). Usage: export_partitioned.py OUT_DIR"""
 
 import os
 import sys
 
+import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
@@ -25,8 +28,9 @@ def main(out):
     y = rng.normal(size=(64, 1)).astype(np.float32)
     with strategy.scope():
         model = build()
+        initial = model.get_weights()
         model.compile(optimizer=tf.keras.optimizers.Adagrad(0.5), loss="mse")
-        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     assert len(model.get_layer("table").weights) == 2, "the table must be partitioned for this test"
     model.save(os.path.join(out, "model.keras"))
     model.save(os.path.join(out, "model.h5"))
@@ -39,8 +43,19 @@ def main(out):
     for a, b in zip(again.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
     if strategy.is_chief:
-        np.savez(os.path.join(out, "expected.npz"), *model.get_weights(), x=x[:8], predictions=model.predict(x[:8]))
+        np.savez(os.path.join(out, "expected.npz"), *model.get_weights(), x=x[:8], predictions=model.predict(x[:8]),
+                 x_train=x, y_train=y, **{f"initial_{i}": w for i, w in enumerate(initial)})
         print("exported", flush=True)
+    hvd.allreduce(tf.constant(1.0), name="test_files_written")  # worker 1 reads what worker 0 wrote
+    loaded = strategy.load_model(os.path.join(out, "model.keras"))  # every worker, as a resumed program would
+    assert len(loaded.get_layer("table").weights) == 2 and strategy.is_ps_variable(loaded.get_layer("table").weights[0])
+    for a, b in zip(loaded.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert int(loaded.optimizer.iterations) == int(model.optimizer.iterations) == 4
+    loaded.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    if strategy.is_chief:
+        np.savez(os.path.join(out, "continued.npz"), *loaded.get_weights())
+        print("continued", flush=True)
 
 
 if __name__ == "__main__":
