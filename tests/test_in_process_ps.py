@@ -468,7 +468,8 @@ def test_model_save_holds_the_optimizer_state_one_process_saves(strategy, tmp_pa
             assert len(got_state) == len(want_state) == len(plain_state), path
             for a, b in zip(got_state, want_state):
                 np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=path)
-            if resumed is None and all(np.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(want_state, plain_state)):
+            holds_all = all(np.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(want_state, plain_state))
+            if resumed is None and holds_all:
                 resumed = got  # a format that holds the whole state (Keras keeps less in some, e.g. legacy in .keras)
         assert resumed is not None, "no format held the trained optimizer state"
         resumed.fit(x, y, batch_size=16, shuffle=False, verbose=0)  # goes on in a plain process
@@ -556,4 +557,46 @@ def test_strategy_load_model_without_compiling_gives_the_weights_on_the_ps(strat
     for trained in (model, plain):
         trained.fit(x, y, batch_size=16, shuffle=False, verbose=0)
     for a, b in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+class _Interrupted(Exception):
+    pass
+
+
+class _InterruptAtStep(tf.keras.callbacks.Callback):
+    def __init__(self, step):
+        super().__init__()
+        self._step = step
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if int(self.model.optimizer.iterations) == self._step:
+            raise _Interrupted()
+
+
+@pytest.mark.parametrize("save_freq", ["epoch", 4])
+def test_backup_and_restore_resumes_as_plain_keras_does(strategy, tmp_path, save_freq):
+    """BackupAndRestore around a fit interrupted at step 15 (epoch 3 of 6-step epochs), then a new model resuming
+    from the backup: kparallax ends where plain Keras' own interrupted-and-resumed run ends (a 2-shard table under
+    Adam: its slots are in the backup)."""
+    x, y = _data()
+    kp_strategy = kp.HybridStrategy(strategy.cluster, partitions=2)
+
+    def interrupted_then_resumed(label, scope):
+        backup = tf.keras.callbacks.BackupAndRestore(str(tmp_path / label), save_freq=save_freq)
+        for attempt, callbacks in enumerate(([_InterruptAtStep(15)], [])):
+            with scope():
+                model = _model(f"{label}_{attempt}")
+                model.set_weights(_initial(model))
+                model.compile(optimizer=tf.keras.optimizers.Adam(0.05), loss="mse")
+            try:
+                model.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0, callbacks=[backup] + callbacks)
+            except _Interrupted:
+                assert attempt == 0
+        return model
+
+    want = interrupted_then_resumed(f"plain_backup_{save_freq}", contextlib.nullcontext)
+    got = interrupted_then_resumed(f"fast_backup_{save_freq}", kp_strategy.scope)
+    assert int(got.optimizer.iterations) == int(want.optimizer.iterations) == 24
+    for a, b in zip(got.get_weights(), want.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -33,6 +33,7 @@ import tensorflow as tf
 
 from kparallax._compat import keras as keras_compat
 from kparallax._compat import tf as tf_compat
+from kparallax.core import backup
 from kparallax.core import data as data_lib
 from kparallax.core import fit_callbacks
 from kparallax.core import partition_search
@@ -300,6 +301,9 @@ def _fit(original, model, *args, **kwargs):
                              "resume from different places. Received: kparallax.checkpoint.restore() before fit with "
                              "BackupAndRestore in callbacks. Use one of them.")
         ours.append(resume.ResumePosition(pending, lambda: setattr(compiled(model), "resume", None)))
+    for callback in a["callbacks"] or []:
+        if isinstance(callback, tf.keras.callbacks.BackupAndRestore):
+            backup.adapt(callback, strategy, compiled(model).clones)
     a["callbacks"] = ours + list(a["callbacks"] or [])
     with strategy.scope():
         try:

@@ -43,10 +43,8 @@ def load_model(strategy, filepath, custom_objects=None, compile=True):  # pylint
         inner = source.inner_optimizer if keras_compat.is_loss_scale_optimizer(source) else source
         if not keras_compat.is_built(inner):
             keras_compat.build_optimizer(inner, plain.trainable_variables)  # a SavedModel's state is restored here
-        with saving.whole_tables(strategy, model) as wholes, saving.plain_variables():
-            target, load_back = saved_optimizer.plain_optimizer(strategy, model, compiled.clones, wholes)
-            saved_optimizer.copy_state(source, target, filepath)
-            load_back()
+        with saving.whole_state(strategy, model, compiled.clones, restore=True):
+            saved_optimizer.copy_state(source, model.optimizer, filepath)  # here the plain optimizer
     collectives.eager_barrier(strategy.num_workers, name="kp_model_loaded")
     return model
 

@@ -1,4 +1,4 @@
-"""The optimizer state ``model.save`` writes: the state one process would hold, so the file resumes training anywhere.
+"""The optimizer state Keras' savers write and loaders read: the state one process would hold.
 
 Under kparallax the state of a model's optimizer lives in two places. The optimizer Keras trains with holds
 ``iterations`` and the slots of the replicated variables. The PS-side clones (``step/clones.py``) hold the slots of
@@ -7,8 +7,10 @@ in the order a plain optimizer creates them over the model's trainable variables
 skipped with a warning, and training goes on with a fresh optimizer.
 
 ``plain_optimizer`` builds that plain optimizer (the user's class and config, over the model's trainable variables,
-each table whole) and fills it with the trained state. ``saving.save`` hands it to Keras' savers as the model's
-optimizer.
+each table whole) and fills it with the trained state; its ``load_back`` is the inverse, after a loader restored
+into it. ``saving.whole_state`` makes it the model's optimizer around a Keras saver or loader (``model.save``,
+TensorFlow-format ``save_weights`` / ``load_weights``, ``BackupAndRestore``); ``loading`` fills it from a file
+Keras loaded (``strategy.load_model``).
 
 Which slot belongs to which variable is recorded while each optimizer creates its slots (Keras 2.11+:
 ``add_variable_from_reference``; legacy: ``add_slot``). The trained optimizers were built before saving, so small

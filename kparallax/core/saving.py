@@ -60,6 +60,31 @@ def whole_tables(strategy, model):
             keras_compat.replace_weights(model, [whole], whole, table.shards, table.sharded)
 
 
+@contextlib.contextmanager
+def whole_state(strategy, model, clones, restore=False):
+    """Inside: each partitioned table of ``model`` is one whole variable and ``model.optimizer`` is a plain optimizer
+    holding the whole trained state (``saved_optimizer``: PS-side slots joined, in the order one process creates
+    them), so Keras' savers write, and its loaders read, what one process would.
+
+    ``restore=True``: on a normal exit, what a loader put there goes back: the optimizer state into the optimizer
+    Keras trains with and (worker 0) the PS-side clones, the tables (worker 0) into their shards.
+    """
+    with whole_tables(strategy, model) as wholes:
+        trained = model.optimizer
+        with plain_variables():  # the plain optimizer's slots are local, as in one process, even inside the scope
+            model.optimizer, load_back = saved_optimizer.plain_optimizer(strategy, model, clones, wholes)
+        try:
+            yield
+        finally:
+            model.optimizer = trained
+        if restore:
+            with plain_variables():
+                load_back()
+            if strategy.is_chief:
+                for table, whole in wholes:
+                    table.sharded.assign(whole.read_value())
+
+
 def save(original, strategy, model, *args, **kwargs):
     """Keras' ``export`` on worker 0 only (one writer), each table saved whole: the files load in a plain
     TensorFlow process, whatever the partitioning."""
@@ -76,16 +101,10 @@ def save_with_optimizer(original, strategy, clones, model, *args, **kwargs):
     is built with ``include_optimizer=False``."""
     if not strategy.is_chief:
         return None
-    with whole_tables(strategy, model) as wholes:
-        if model.optimizer is None or not kwargs.get("include_optimizer", True):
-            return original(model, *args, **kwargs)
-        trained = model.optimizer
-        with plain_variables():  # its slots and stand-ins are local, as in one process, even inside the scope
-            model.optimizer, _ = saved_optimizer.plain_optimizer(strategy, model, clones, wholes)
-        try:
-            return original(model, *args, **kwargs)
-        finally:
-            model.optimizer = trained
+    if model.optimizer is None or not kwargs.get("include_optimizer", True):
+        return save(original, strategy, model, *args, **kwargs)
+    with whole_state(strategy, model, clones):
+        return original(model, *args, **kwargs)
 
 
 def save_weights(original, strategy, clones, model, *args, **kwargs):
@@ -106,22 +125,15 @@ def load_weights(original, strategy, clones, model, *args, **kwargs):
     restores into it, and its state goes back to the optimizer Keras trains with and (worker 0) the PS-side
     clones, so training goes on as one process's would after ``load_weights``."""
     filepath = args[0] if args else kwargs.get("filepath")
-    with whole_tables(strategy, model) as swaps:
-        if model.optimizer is None or not _is_tf_checkpoint(filepath):
+    if model.optimizer is not None and _is_tf_checkpoint(filepath):
+        with whole_state(strategy, model, clones, restore=True):
             result = original(model, *args, **kwargs)
-        else:
-            trained = model.optimizer
-            with plain_variables():
-                model.optimizer, load_back = saved_optimizer.plain_optimizer(strategy, model, clones, swaps)
-            try:
-                result = original(model, *args, **kwargs)
-            finally:
-                model.optimizer = trained
-            with plain_variables():
-                load_back()
-        if strategy.is_chief:
-            for table, whole in swaps:
-                table.sharded.assign(whole.read_value())
+    else:
+        with whole_tables(strategy, model) as swaps:
+            result = original(model, *args, **kwargs)
+            if strategy.is_chief:
+                for table, whole in swaps:
+                    table.sharded.assign(whole.read_value())
     tf_compat.async_wait()
     return result
 

@@ -344,8 +344,53 @@ def unreduced_loss(scope, batch):
     return model
 
 
+SHARED_DIR = None  # a directory every worker sees (set by train_keras_programs.py)
+
+
+class _Interrupted(Exception):
+    pass
+
+
+class _InterruptAtEpoch(tf.keras.callbacks.Callback):
+    def __init__(self, epoch):
+        super().__init__()
+        self._epoch = epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self._epoch:
+            raise _Interrupted()
+
+
+def backup_and_restore_resume(scope, batch):
+    """fit with BackupAndRestore is interrupted as epoch 3 begins; a new model with the same backup_dir resumes:
+    Keras restores weights, optimizer state and epoch, and the resumed fit ends as the one process's."""
+    ids, rng = _ids(12)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    directory = os.path.join(SHARED_DIR or tempfile.mkdtemp(prefix="kp_backup_"), "backup")
+
+    def fit(callbacks):
+        with scope():
+            model = tf.keras.Sequential([tf.keras.Input((LEN,), dtype=tf.int32),
+                                         tf.keras.layers.Embedding(VOCAB, EMB), tf.keras.layers.Flatten(),
+                                         tf.keras.layers.Dense(1)])
+            _init(model)
+            model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="mse")
+            model.fit(ids, y, batch_size=batch, epochs=4, shuffle=False, verbose=0,
+                      callbacks=[tf.keras.callbacks.BackupAndRestore(directory)] + callbacks)
+        return model
+
+    try:
+        fit([_InterruptAtEpoch(2)])
+        raise AssertionError("the first fit was not interrupted")
+    except _Interrupted:
+        pass
+    model = fit([])
+    assert int(model.optimizer.iterations) == 16, int(model.optimizer.iterations)  # 4 epochs of 4 global batches
+    return model
+
+
 PROGRAMS = {f.__name__: f for f in (ratio_metrics, summed_losses, unreduced_loss, batch_normalization, mixed_float16,
                                     dict_inputs_auc, tf_data_unknown_cardinality, weighted_samples,
                                     mask_zero_lstm_callbacks,
                                     custom_train_step, text_vectorization, lookup_layers, shared_layer, keras_callbacks,
-                                    tf_data_known_cardinality)}
+                                    tf_data_known_cardinality, backup_and_restore_resume)}
