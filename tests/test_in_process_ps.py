@@ -600,3 +600,23 @@ def test_backup_and_restore_resumes_as_plain_keras_does(strategy, tmp_path, save
     assert int(got.optimizer.iterations) == int(want.optimizer.iterations) == 24
     for a, b in zip(got.get_weights(), want.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_checkpoints_that_would_miss_the_ps_side_optimizer_state_are_refused(strategy, tmp_path):
+    """tf.train.Checkpoint / tf.saved_model.save of a model with PS variables (they would hold model.optimizer
+    without the tables' slots) are refused with the fix; kparallax's savers and a model without PS variables are
+    not affected."""
+    x, y = _data()
+    model = _trained("fast_direct_checkpoint", lambda: tf.keras.optimizers.Adam(0.05),
+                     strategy=kp.HybridStrategy(strategy.cluster, partitions=2))
+    with pytest.raises(ValueError, match=r"would miss the optimizer state of its PS variables.*save_weights"):
+        tf.train.Checkpoint(model=model).save(str(tmp_path / "direct" / "ckpt"))
+    with pytest.raises(ValueError, match="would miss the optimizer state of its PS variables"):
+        tf.saved_model.save(model, str(tmp_path / "direct_saved_model"))
+    model.save_weights(str(tmp_path / "weights" / "ckpt"))
+    model.export(str(tmp_path / "exported"))
+    with strategy.scope():
+        dense = tf.keras.Sequential([tf.keras.Input((LEN,)), tf.keras.layers.Dense(1)])
+        dense.compile(optimizer="sgd", loss="mse")
+    dense.fit(x.astype(np.float32), y, batch_size=16, verbose=0)
+    tf.train.Checkpoint(model=dense).save(str(tmp_path / "dense" / "ckpt"))

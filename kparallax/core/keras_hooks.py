@@ -202,6 +202,7 @@ def _compile(model, *args, **kwargs):
         batch_norm.check(model, strategy.num_workers, strategy.options.sync_batch_norm)
     optimizer, step, clones = strategy.make_optimizer(bound.arguments["optimizer"])
     bound.arguments["optimizer"] = optimizer
+    _guard_tracking(strategy, model, optimizer)
     _unbind(model)
     model.__dict__[_STATE] = Compiled(strategy, step, clones)
     _bind_method(model, "fit", _fit, original_method(model, "fit"))
@@ -266,8 +267,17 @@ def original_method(obj, name):
     return getattr(type(obj), name)
 
 
+def _guard_tracking(strategy, model, optimizer):
+    """A model with PS variables: checkpoints and SavedModels that reach its routing optimizer outside kparallax's
+    savers are refused (``saving.refuse_direct_tracking``)."""
+    if any(strategy.is_ps_variable(v) for v in model.trainable_variables):
+        routing = getattr(optimizer, "inner_optimizer", optimizer)
+        routing.__dict__["_kp_tracking_check"] = saving.refuse_direct_tracking
+
+
 def _fit(original, model, *args, **kwargs):
     strategy = compiled(model).strategy
+    _guard_tracking(strategy, model, model.optimizer)  # a model built by its first call: now it has its variables
     bound = inspect.signature(original).bind(model, *args, **kwargs)
     bound.apply_defaults()
     a = bound.arguments

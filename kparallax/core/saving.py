@@ -26,17 +26,43 @@ def plain_variables_active():
 
 @contextlib.contextmanager
 def plain_variables():
+    previous = plain_variables_active()
     _LOCAL.plain = True
     try:
         yield
     finally:
-        _LOCAL.plain = False
+        _LOCAL.plain = previous
+
+
+def refuse_direct_tracking(optimizer, save_type):
+    """Raises unless a saver or loader of this module is running: a ``tf.train.Checkpoint`` or
+    ``tf.saved_model.save`` reaching kparallax's routing ``optimizer`` directly would hold the optimizer Keras
+    trains with but not the PS variables' slots (they live on the PS), and restoring it would leave them as they
+    are: training would go on off one process, silently."""
+    if getattr(_LOCAL, "whole", 0):
+        return
+    raise ValueError(
+        "A tf.train.Checkpoint or tf.saved_model.save that holds a model compiled under HybridStrategy would miss "
+        "the optimizer state of its PS variables (it lives on the PS, not in model.optimizer). Received: a "
+        f"{save_type} of {type(optimizer).__name__} {optimizer.name!r}. Use model.save_weights(path) / "
+        "model.load_weights(path) (TensorFlow format, the whole state as one process has it), model.save, "
+        "strategy.load_model, or kparallax.checkpoint.")
 
 
 @contextlib.contextmanager
 def whole_tables(strategy, model):
     """Inside: each partitioned table of ``model`` is one ordinary local variable holding the whole table (read
     from its shards), so Keras' savers write -- and loaders read -- it whole, as a plain process has it."""
+    _LOCAL.whole = getattr(_LOCAL, "whole", 0) + 1
+    try:
+        with _whole_tables_swapped(strategy, model) as swaps:
+            yield swaps
+    finally:
+        _LOCAL.whole -= 1
+
+
+@contextlib.contextmanager
+def _whole_tables_swapped(strategy, model):
     tables_seen, swaps = set(), []
     for variable in model.weights:
         owner = strategy.registry.table_of(variable)

@@ -152,6 +152,15 @@ class _RoutingMixin:
             return step.accumulator.accumulate_then(dense + ps, lambda averaged: build(*step.split(averaged)))
         return build(dense, ps)
 
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        """Checkpoints and SavedModels walk this; kparallax's own savers and loaders swap in a plain optimizer
+        first, anything else reaching it is refused (``tracking_check``, set at compile when the model has PS
+        variables)."""
+        check = self.__dict__.get("_kp_tracking_check")
+        if check is not None:
+            check(self, save_type)
+        return super()._trackable_children(save_type, **kwargs)
+
     def finalize_variable_values(self, var_list):
         """End of ``fit`` (Keras 2.11+ optimizers): with ``use_ema``, every variable takes its moving average.
         Replicated ones from this optimizer; PS ones from the clones that updated them (the chief's, under
