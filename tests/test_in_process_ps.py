@@ -355,6 +355,10 @@ def test_recompiling_with_the_same_optimizer_keeps_its_state(strategy, again):
         model = _model(f"fast_recompiled_{again}")
         loss = fit_twice(model)
     assert int(model.optimizer.iterations) == int(plain.optimizer.iterations) == 12
+    # Keras' LossScaleOptimizer builds its inner optimizer over every variable: no slots of PS variables there
+    # (they live in the PS-side clones; before, each worker made dead copies of them on the PS).
+    on_ps = [v.name for v in keras_compat.optimizer_variables(model.optimizer) if "/job:ps/" in v.device]
+    assert on_ps == [] and len(keras_compat.optimizer_variables(model.optimizer)) == 1 + 2 * 2, on_ps
     for got, want in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
@@ -401,6 +405,10 @@ def test_mixed_precision_recompile_keeps_the_optimizer_and_an_explicit_loss_scal
     finally:
         tf.keras.mixed_precision.set_global_policy("float32")
     assert int(model.optimizer.iterations) == int(plain.optimizer.iterations) == 12
+    # Keras' LossScaleOptimizer builds its inner optimizer over every variable: no slots of PS variables there
+    # (they live in the PS-side clones; before, each worker made dead copies of them on the PS).
+    on_ps = [v.name for v in keras_compat.optimizer_variables(model.optimizer) if "/job:ps/" in v.device]
+    assert on_ps == [] and len(keras_compat.optimizer_variables(model.optimizer)) == 1 + 2 * 2, on_ps
     for got, want in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
@@ -415,6 +423,7 @@ SAVED = {  # optimizer, strategy options, per-worker batch
     "rmsprop_accumulated": (lambda: tf.keras.optimizers.RMSprop(0.05, momentum=0.5),
                             {"backward_passes_per_step": 2, "partitions": 2}, 8),
     "adam_mixed_precision": (lambda: tf.keras.optimizers.Adam(0.05), {"partitions": 2}, 16),
+    "sgd_without_slots": (lambda: tf.keras.optimizers.SGD(0.1), {"partitions": 2}, 16),
     "sgd_ema": (lambda: tf.keras.optimizers.SGD(0.1, momentum=0.5, use_ema=True, ema_momentum=0.9),
                 {"partitions": 2}, 16),
 }

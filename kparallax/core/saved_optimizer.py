@@ -89,13 +89,8 @@ def copy_state(source, target, origin):
 
 class _Correspondence:
     """Which variable of ``plain`` (built here over the model's trainable variables) is which variable of the
-    ``trained`` optimizer, and which is which of each PS variable's clone state (joined over shards).
-
-    The trained optimizer was built over the replicated variables (kparallax's step), or, under mixed precision,
-    over every trainable variable with each table's shards (Keras' ``LossScaleOptimizer`` builds its inner optimizer
-    before kparallax routes the gradients; the slots of PS variables there stay unused). The layout that gives the
-    trained optimizer's variable count is the one used.
-    """
+    ``trained`` optimizer (built over the replicated variables, as kparallax's step builds it), and which is which
+    of each PS variable's clone state (joined over shards)."""
 
     def __init__(self, strategy, model, wholes, trained, plain):
         variables = list(model.trainable_variables)
@@ -108,23 +103,19 @@ class _Correspondence:
         self._plain = keras_compat.optimizer_variables(plain)
         self._trained = keras_compat.optimizer_variables(trained)
 
-        shards_of = {whole.ref(): shards for whole, shards in self._groups if len(shards) > 1}
-        for built_over in (dense, [s for v in variables for s in shards_of.get(v.ref(), [v])]):
-            probe = _fresh(trained)
-            probe_slots, probe_others = _build_recorded(probe, [_stand_in(v) for v in built_over])
-            if (len(keras_compat.optimizer_variables(probe)) == len(self._trained)
-                    and len(probe_others) == len(target_others)):
-                break
-        else:
+        probe = _fresh(trained)
+        probe_slots, probe_others = _build_recorded(probe, [_stand_in(v) for v in dense])
+        if (len(keras_compat.optimizer_variables(probe)) != len(self._trained)
+                or len(probe_others) != len(target_others)):
             raise ValueError(
                 "kparallax cannot save or load this optimizer's state with the model: its variables do not follow "
                 f"the layout of a plain {type(plain).__name__}. Received: {len(self._trained)} trained optimizer "
-                f"variable(s) for {len(dense)} replicated variable(s). Save with include_optimizer=False, or use "
+                f"variable(s) for {len(dense)} replicated variable(s), where a plain copy has "
+                f"{len(keras_compat.optimizer_variables(probe))}. Save with include_optimizer=False, or use "
                 "kparallax.checkpoint to resume training.")
         self._dense = list(zip(target_others, probe_others))  # (plain index, trained index)
-        position_of = {v.ref(): i for i, v in enumerate(built_over)}
-        for variable in dense:
-            self._dense += list(zip(target_slots[variable.ref()], probe_slots[position_of[variable.ref()]]))
+        for position, variable in enumerate(dense):
+            self._dense += list(zip(target_slots.get(variable.ref(), []), probe_slots.get(position, [])))
 
         self._clone_layouts = []  # per group: ([(plain index, clone index)] of slots, ... of the others, count)
         for whole, _ in self._groups:

@@ -152,6 +152,15 @@ class _RoutingMixin:
             return step.accumulator.accumulate_then(dense + ps, lambda averaged: build(*step.split(averaged)))
         return build(dense, ps)
 
+    def build(self, var_list):
+        """Keras 2.11+ optimizers: slots for the replicated variables only. Keras' ``LossScaleOptimizer`` (mixed
+        precision) builds its inner optimizer over every trainable variable, but the PS variables' slots live in
+        the PS-side clones: created here too, they were dead copies placed on the PS, one set per worker."""
+        step = self._kp_step
+        if step is not None:
+            var_list = [v for v in var_list if not step.is_ps_variable(v)]
+        return super().build(var_list)
+
     def _trackable_children(self, save_type="checkpoint", **kwargs):
         """Checkpoints and SavedModels walk this; kparallax's own savers and loaders swap in a plain optimizer
         first, anything else reaching it is refused (``tracking_check``, set at compile when the model has PS
