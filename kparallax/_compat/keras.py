@@ -131,13 +131,6 @@ def build_optimizer(optimizer, var_list):
         optimizer._create_all_weights(var_list)  # pylint: disable=protected-access
 
 
-def is_built(optimizer):
-    """Whether ``build_optimizer`` (or a first ``apply_gradients``) has created the optimizer's slots."""
-    if optimizer_family(optimizer) == "new":
-        return bool(getattr(optimizer, "_built", False))
-    return bool(getattr(optimizer, "_slots", None)) or bool(getattr(optimizer, "_weights", None))
-
-
 def copy_loss_scale(source, target):
     """Gives the ``LossScaleOptimizer`` ``target`` the current loss scale and growth counter of ``source`` (the
     scale's variable is the private ``_loss_scale.current_loss_scale`` in Keras 2.11-2.15, either family)."""

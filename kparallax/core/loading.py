@@ -41,8 +41,7 @@ def load_model(strategy, filepath, custom_objects=None, compile=True):  # pylint
     if compiled is not None and plain.optimizer is not None:
         source = plain.optimizer
         inner = source.inner_optimizer if keras_compat.is_loss_scale_optimizer(source) else source
-        if not keras_compat.is_built(inner):
-            keras_compat.build_optimizer(inner, plain.trainable_variables)  # a SavedModel's state is restored here
+        keras_compat.build_optimizer(inner, plain.trainable_variables)  # idempotent; restores a SavedModel's state
         with saving.whole_state(strategy, model, compiled.clones, restore=True):
             saved_optimizer.copy_state(source, model.optimizer, filepath)  # here the plain optimizer
     collectives.eager_barrier(strategy.num_workers, name="kp_model_loaded")

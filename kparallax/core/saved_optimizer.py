@@ -97,9 +97,9 @@ class _Correspondence:
         self._groups = _ps_groups(strategy, variables, wholes)
         saved_whole = {whole.ref() for whole, _ in self._groups}
         dense = [v for v in variables if v.ref() not in saved_whole]
-        if not keras_compat.is_built(trained):
-            keras_compat.build_optimizer(trained, dense)  # as training builds it
+        keras_compat.build_optimizer(trained, dense)  # idempotent; as training builds it
         target_slots, target_others = _build_recorded(plain, variables)
+        index_of = {v.ref(): i for i, v in enumerate(variables)}
         self._plain = keras_compat.optimizer_variables(plain)
         self._trained = keras_compat.optimizer_variables(trained)
 
@@ -115,13 +115,13 @@ class _Correspondence:
                 "kparallax.checkpoint to resume training.")
         self._dense = list(zip(target_others, probe_others))  # (plain index, trained index)
         for position, variable in enumerate(dense):
-            self._dense += list(zip(target_slots.get(variable.ref(), []), probe_slots.get(position, [])))
+            self._dense += list(zip(target_slots.get(index_of[variable.ref()], []), probe_slots.get(position, [])))
 
         self._clone_layouts = []  # per group: ([(plain index, clone index)] of slots, ... of the others, count)
         for whole, _ in self._groups:
             probe = _fresh(trained)
             probe_slots, probe_others = _build_recorded(probe, [_stand_in(whole)])
-            self._clone_layouts.append((list(zip(target_slots.get(whole.ref(), []), probe_slots.get(0, []))),
+            self._clone_layouts.append((list(zip(target_slots.get(index_of[whole.ref()], []), probe_slots.get(0, []))),
                                         list(zip(target_others, probe_others)),
                                         len(keras_compat.optimizer_variables(probe))))
 
@@ -183,9 +183,8 @@ def _ps_groups(strategy, variables, wholes):
 
 
 def _build_recorded(optimizer, variables):
-    """Builds ``optimizer`` over ``variables``; returns ({variable.ref() or position: [indices of its slots]},
-    [indices of the variables that belong to no model variable]) into ``optimizer_variables(optimizer)``. Slot
-    lists are keyed by ``variable.ref()`` and also by the variable's position in ``variables``."""
+    """Builds ``optimizer`` over ``variables``; returns ({position in ``variables``: [indices of its slots]},
+    [indices of the variables that belong to no model variable]), indices into ``optimizer_variables(optimizer)``."""
     made = []
     with _recording(optimizer, made):
         keras_compat.build_optimizer(optimizer, variables)
@@ -197,7 +196,6 @@ def _build_recorded(optimizer, variables):
         if reference is None:
             others.append(index)
             continue
-        slots.setdefault(reference.ref(), []).append(index)
         slots.setdefault(position[reference.ref()], []).append(index)
     return slots, others
 

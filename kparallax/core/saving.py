@@ -106,9 +106,14 @@ def whole_state(strategy, model, clones, restore=False):
         if restore:
             with plain_variables():
                 load_back()
-            if strategy.is_chief:
-                for table, whole in wholes:
-                    table.sharded.assign(whole.read_value())
+            _write_tables(strategy, wholes)
+
+
+def _write_tables(strategy, wholes):
+    """Worker 0 writes each whole table a loader filled into its shards on the PS (one writer)."""
+    if strategy.is_chief:
+        for table, whole in wholes:
+            table.sharded.assign(whole.read_value())
 
 
 def save(original, strategy, model, *args, **kwargs):
@@ -155,11 +160,9 @@ def load_weights(original, strategy, clones, model, *args, **kwargs):
         with whole_state(strategy, model, clones, restore=True):
             result = original(model, *args, **kwargs)
     else:
-        with whole_tables(strategy, model) as swaps:
+        with whole_tables(strategy, model) as wholes:
             result = original(model, *args, **kwargs)
-            if strategy.is_chief:
-                for table, whole in swaps:
-                    table.sharded.assign(whole.read_value())
+            _write_tables(strategy, wholes)
     tf_compat.async_wait()
     return result
 
