@@ -148,9 +148,10 @@ def events(space):
 
 
 # Ops marking a point of a step (first start inside the step function; worker rows without such an op show "-"):
-# kparallax's synchronous PS path sends the allgathered ids to the PS tasks (the chief only) once every worker's
-# pushes have landed.
-MARKS = {"ids allgathered": r"^kp_sparse_ids"}
+# kparallax's synchronous PS path sums the tokens of its end-of-step barrier once the PS answered every push of this
+# worker (and the updates those pushes made, if they were their step's last); Grappler may rename the sum
+# (``ArithmeticOptimizer/AddOpsRewrite_kp_step_done/AddN``).
+MARKS = {"PS answered (end barrier)": r"kp_step_done/AddN"}
 
 
 def step_phases(by_worker, marks=None):

@@ -1,10 +1,11 @@
 """Fast tier: one process holding a real in-process PS server (tf.distribute.Server) and Horovod of size 1.
 
-Exercises placement, the registry, the Keras hooks, step building (push, id exchange, the chief's update on the PS)
+Exercises placement, the registry, the Keras hooks, step building (push, the update by the last push on the PS)
 and the aggregation math without the launcher. Expected values come from plain Keras in this same process.
 """
 
 import contextlib
+import threading
 
 import numpy as np
 import portpicker
@@ -13,6 +14,7 @@ import tensorflow as tf
 
 import kparallax as kp
 from kparallax._compat import keras as keras_compat
+from kparallax.step import ps_sync
 
 VOCAB, EMB, LEN = 60, 4, 3
 
@@ -69,10 +71,35 @@ def test_table_on_ps_trains_like_plain_keras(strategy, regularized):
     np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
     entry = strategy.registry.entry(table)
     assert (entry.path, entry.task) == (f"{name}_embedding/embeddings", 0)
-    assert {"kp_accumulator", "kp_pushes", "kp_updates"} <= set(entry.helpers)
+    # A regularized table's gradient is dense: added whole, no touched ids to keep.
+    helpers = {"kp_accumulator", "kp_pushes", "kp_updates"} | (set() if regularized else {"kp_touched"})
+    assert helpers <= set(entry.helpers)
     assert strategy.push_counts()[entry.path] == 12  # 96 / 16 per epoch, 2 epochs, one worker
-    accumulator = entry.helpers["kp_accumulator"].numpy()
-    assert not accumulator.any(), "the chief zeroes the accumulated rows after each update"
+    assert not entry.helpers["kp_accumulator"].numpy().any(), "each update zeroes the accumulated rows"
+    if not regularized:
+        assert not entry.helpers["kp_touched"].numpy().any(), "each update clears the touched ids"
+
+
+def test_push_counter_gives_concurrent_pushes_distinct_counts():
+    """The push whose count completes a step applies its update, so two pushes at once must never see the same
+    count (read after ``assign_add``, both saw the final one: a double update, seen once in four 2-worker runs).
+    Eager threads interleave at every op, which makes that race certain for a non-atomic count (with
+    ``assign_add`` then a read, this test saw a few hundred repeated counts). The property is the op's, so a local
+    counter shows it (eager ops on a remote handle lack its shape)."""
+    counter = tf.Variable(0, dtype=tf.int64)
+    seen, lock = [], threading.Lock()
+
+    def push():
+        mine = [int(ps_sync.count(counter)) for _ in range(150)]
+        with lock:
+            seen.extend(mine)
+
+    threads = [threading.Thread(target=push) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(seen) == list(range(1, 8 * 150 + 1))
 
 
 def test_partitioned_table_is_whole_in_get_weights_and_shards_on_the_ps(strategy):
@@ -275,27 +302,31 @@ def test_weight_decay_exclusions_reach_the_ps_and_the_dense_path(strategy, parti
         assert not np.allclose(decayed.get_weights()[i], plain.get_weights()[i], atol=1e-3), i
 
 
+@pytest.mark.parametrize("family", ["legacy", "new"])
 @pytest.mark.parametrize("partitions", [1, 3])
-def test_learning_rate_callbacks_reach_the_ps_with_legacy_optimizers(strategy, partitions):
+def test_learning_rate_callbacks_reach_the_ps(strategy, partitions, family):
+    """The PS updates read the rate a callback assigns on the worker (read once per step, outside the update)."""
+    optimizers = {"legacy": tf.keras.optimizers.legacy.SGD, "new": tf.keras.optimizers.SGD}
+
     def fit(model):
         model.set_weights(_initial(model))
-        model.compile(optimizer=tf.keras.optimizers.legacy.SGD(0.1, momentum=0.5), loss="mse")
+        model.compile(optimizer=optimizers[family](0.1, momentum=0.5), loss="mse")
         x, y = _data()
         return model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0,
                          callbacks=[tf.keras.callbacks.LearningRateScheduler(lambda epoch, rate: rate * 0.3)])
 
-    plain = _model("plain_legacy_rate")
+    plain = _model(f"plain_{family}_rate")
     expected_loss = fit(plain).history["loss"]
     with kp.HybridStrategy(strategy.cluster, partitions=partitions).scope():
-        model = _model(f"fast_legacy_rate_{partitions}")
+        model = _model(f"fast_{family}_rate_{partitions}")
         loss = fit(model).history["loss"]
     for got, want in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
     assert float(model.optimizer.lr) == pytest.approx(0.1 * 0.3 ** 3)
-    # The optimizer's own variables keep Keras' creation order (checkpoints store them by position).
-    assert [w.name.split("/")[-1] for w in model.optimizer.weights[:3]] == \
-        [w.name.split("/")[-1] for w in plain.optimizer.weights[:3]]
+    if family == "legacy":  # its own variables keep Keras' creation order (checkpoints store them by position)
+        assert [w.name.split("/")[-1] for w in model.optimizer.weights[:3]] == \
+            [w.name.split("/")[-1] for w in plain.optimizer.weights[:3]]
 
 
 def test_clipping_with_sparse_as_dense_is_refused(strategy):

@@ -40,13 +40,13 @@ def _worker(start, backprop_done, end):
 def test_step_phases_align_the_workers_steps_and_measure_the_tail():
     # Two steps of two workers on one clock: worker 1 starts 10 ms later and computes longer; both return together.
     by_worker = {0: _worker(0, 40, 100) + _worker(200, 230, 290)
-                 + [(80, 2, "kp_sparse_ids/_12:_Send", False), (280, 2, "kp_sparse_ids/_12:_Send", False)],
+                 + [(80, 2, "kp_step_done/AddN:AddN", False), (280, 2, "kp_step_done/AddN:AddN", False)],
                  1: _worker(10, 70, 101) + _worker(205, 250, 291)}
     result = op_profile.step_phases(by_worker)
     assert result["steps"] == 2
     assert result["workers"][0] == {"start": 0, "backprop_done": 35, "end": 95,   # medians of (40, 30), (100, 90)
-                                    "ids allgathered": 80}   # the chief's kp_sparse_ids sends (80, 80)
-    assert result["workers"][1] == {"start": 7.5, "backprop_done": 60, "end": 96, "ids allgathered": None}
+                                    "PS answered (end barrier)": 80}   # worker 0's end barrier (80, 80)
+    assert result["workers"][1] == {"start": 7.5, "backprop_done": 60, "end": 96, "PS answered (end barrier)": None}
     assert result["last_backprop_done"] == 60   # the slowest worker: (70, 50)
     assert result["step"] == 96 and result["tail"] == 36   # steps (101, 91), tails (101 - 70, 91 - 50)
     table = op_profile.phases_markdown({"run@2": result})

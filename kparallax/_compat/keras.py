@@ -5,10 +5,14 @@
   list their variables differently.
 - The layer that creates a variable is found on the call stack (``build`` / ``add_weight`` frames): Keras passes no
   layer to variable creators.
+- An optimizer reads its learning rate from the private ``_learning_rate`` (2.11+) or its ``learning_rate``
+  hyper-parameter (legacy) when an update is built: PS-side clones share the worker's variable there, and the
+  synchronous PS path puts a tensor read once per step in its place (``learning_rate_value``).
 - ``fit`` starts inside an epoch only through the private ``model._training_state`` hook that ``BackupAndRestore``
   uses (``set_initial_counters``; read by ``Model._maybe_load_initial_counters_from_ckpt`` in 2.11-2.15).
 """
 
+import contextlib
 import sys
 
 import tensorflow as tf
@@ -173,6 +177,36 @@ def share_learning_rate(clone, source):
         clone._set_hyper("learning_rate", rate)  # pylint: disable=protected-access
         return True
     return False
+
+
+def shared_learning_rate(clone):
+    """The learning-rate variable ``clone`` shares with the optimizer Keras trains with (``share_learning_rate``),
+    or None (a schedule, or not shared)."""
+    if optimizer_family(clone) == "new":
+        rate = getattr(clone, "_learning_rate", None)
+    else:
+        rate = clone._hyper.get("learning_rate")  # pylint: disable=protected-access
+    return rate if isinstance(rate, tf.Variable) else None
+
+
+@contextlib.contextmanager
+def learning_rate_value(clone, value):
+    """While the caller traces an update by ``clone``, the clone's learning rate is the tensor ``value`` (a read of
+    its ``shared_learning_rate`` made before) instead of that variable: Keras reads ``_learning_rate`` (Keras
+    2.11+ optimizers) or the ``learning_rate`` hyper-parameter (legacy ones) when it builds the update."""
+    new = optimizer_family(clone) == "new"
+    saved = clone._learning_rate if new else clone._hyper["learning_rate"]  # pylint: disable=protected-access
+    try:
+        if new:
+            clone._learning_rate = value  # pylint: disable=protected-access
+        else:
+            clone._hyper["learning_rate"] = value  # pylint: disable=protected-access
+        yield
+    finally:
+        if new:
+            clone._learning_rate = saved  # pylint: disable=protected-access
+        else:
+            clone._hyper["learning_rate"] = saved  # pylint: disable=protected-access
 
 
 def layer_being_built(max_depth=40):

@@ -20,6 +20,9 @@ from kparallax.step import collectives
 def load_model(strategy, filepath, custom_objects=None, compile=True):  # pylint: disable=redefined-builtin
     """Loads a Keras model file (``.keras``, ``.h5``, SavedModel) for training under ``strategy``; see
     ``HybridStrategy.load_model``."""
+    # Every worker calls this; worker 0 may have just saved the file (``model.save`` writes on worker 0 only and
+    # returns at once on the others): nobody reads it before that save returned.
+    collectives.eager_barrier(strategy.num_workers, name="kp_model_loading")
     with keras_hooks.outside_scopes(), saving.plain_variables():
         plain = tf.keras.models.load_model(filepath, custom_objects=custom_objects, compile=compile)
         try:

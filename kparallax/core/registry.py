@@ -84,10 +84,10 @@ class Registry:
         return entry.helpers[name]
 
     def shared_slot(self, variable, name, value):
-        """A shared optimizer slot ``<path>/kp_optimizer/<name>`` initialized to ``value`` (asynchronous PS: every
-        worker's optimizer clone updates the same slots)."""
+        """A shared optimizer slot ``<path>/<name>`` initialized to ``value`` (every worker's optimizer clone of
+        ``variable`` uses the same slots); ``name`` starts with the clones' namespace."""
         entry = self.entry(variable)
-        key = f"kp_optimizer/{name}"
+        key = name
         if key not in entry.helpers:
             entry.helpers[key] = self._store.create(f"{entry.path}/{key}", value.shape, value.dtype, value,
                                                     entry.task, trainable=False)

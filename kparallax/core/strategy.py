@@ -314,7 +314,8 @@ class HybridStrategy:
         source = optimizer
         optimizer = train_step.resolve(optimizer)
         sync = self._options.sync
-        clones = clones_lib.Clones(self._registry, optimizer, shared_slots=not sync, clip=not sync)
+        clones = clones_lib.Clones(self._registry, optimizer, namespace=f"kp_optimizer_{len(self._clones)}",
+                                   clip=not sync)
         if sync:
             local_set = None
             aggregate = self._options.local_aggregation
@@ -322,9 +323,10 @@ class HybridStrategy:
                 aggregate = not runtime.job_on_one_host(self._cluster)
             if aggregate and self.num_workers > 1 and self._cluster.ps:
                 local_set = runtime.local_process_set()
+            pushers = len(runtime.host_groups(self._cluster)) if local_set is not None else self.num_workers
             ps_path = ps_sync.SyncPs(self._registry, clones, self.num_workers, self.is_chief,
                                      self._options.average_sparse, local_aggregation.LocalAggregation(local_set),
-                                     keras_compat.clipping(optimizer))
+                                     pushers, keras_compat.clipping(optimizer))
         else:
             ps_path = ps_async.AsyncPs(self._registry, clones)
         step = train_step.Step(self._options, self.num_workers, self.is_ps_variable, ps_path)

@@ -3,10 +3,10 @@
 Keras clips each variable's gradient in ``apply_gradients`` (``clipnorm`` / ``clipvalue``, ``_compat.keras.clipping``
 gives the order). In one process a table's gradient is an ``IndexedSlices`` with one slice per looked-up id of the
 global batch, duplicates included, and Keras clips those slices before it sums the duplicates. On the PS path each
-worker holds its share of the slices (scaled by the divisor the chief applies later), its rows are summed per id
+worker holds its share of the slices (scaled by the divisor the update applies later), its rows are summed per id
 before they are pushed, and a partitioned table's gradient is split over its shards. So:
   - ``clipvalue`` clips each worker's slices before deduplication, with the bound scaled by the divisor;
-  - ``clipnorm`` scales the chief's update by ``clip / max(norm, clip)`` (``tf.clip_by_norm``'s factor), the norm
+  - ``clipnorm`` scales the step's update by ``clip / max(norm, clip)`` (``tf.clip_by_norm``'s factor), the norm
     taken over every worker's slices (their sums of squares, one allreduce per step) and over all shards of a table;
   - dense gradients of PS variables are clipped after aggregation, their norm also taken over a table's shards.
 The PS-side optimizer clones are made without clipping (``clones.Clones(clip=False)``).
@@ -22,7 +22,7 @@ class Clipping:
 
     Args:
       plan: ``[("value", c), ("norm", c)]`` steps in Keras' order (``_compat.keras.clipping``); norm comes last.
-      divisor: what the chief divides summed gradients by (the worker count when averaging, else 1).
+      divisor: what the update divides summed gradients by (the worker count when averaging, else 1).
       num_workers: Horovod size.
       group_of: callable(variable) -> the key of the gradient one process clips as one (a table, or itself).
     """

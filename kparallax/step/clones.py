@@ -1,12 +1,11 @@
 """The PS-side optimizer state: one clone of the user's optimizer per PS variable, living on that variable's task.
 
-Synchronous training: only the chief applies PS updates, with its own clones (their slots are created on the PS
-device, so the update math runs there). Asynchronous training: every worker has clones, and their slot variables
-are shared PS variables (one set of optimizer state updated by all workers). Clones read the learning rate of the
-optimizer Keras trains with, so schedules and callbacks changing it apply to both paths.
+Every worker that updates PS variables has clones, and their slot variables (and step counters) are shared PS
+variables next to the variable: one set of optimizer state, whoever applies an update. Synchronous training: the
+worker whose push completes a step applies that step's one update (``ps_sync.py``). Asynchronous training: every
+worker applies its own gradients. Clones read the learning rate of the optimizer Keras trains with, so schedules
+and callbacks changing it apply to both paths.
 """
-
-import contextlib
 
 import tensorflow as tf
 
@@ -21,15 +20,16 @@ class Clones:
     Args:
       registry: the strategy's ``Registry`` (PS task and path of each variable, shared slots).
       optimizer: the user's optimizer (cloned by config).
-      shared_slots: True under asynchronous training (slots shared by all workers).
+      namespace: prefix of the shared slots' names, the same on every worker and different for each optimizer
+        compiled in a strategy (a new optimizer starts from fresh slots, as in one process).
       clip: the clones clip gradients as ``optimizer`` does (asynchronous training: each worker's deduplicated
         gradient); False when the caller clips (synchronous training: ``ps_sync`` clips as one process would).
     """
 
-    def __init__(self, registry, optimizer, shared_slots, clip=True):
+    def __init__(self, registry, optimizer, namespace, clip=True):
         self._registry = registry
         self._optimizer = optimizer
-        self._shared = shared_slots
+        self._namespace = namespace
         self._clip = clip
         self._clones = {}
         self.learning_rate_source = None  # the optimizer Keras trains with
@@ -42,8 +42,7 @@ class Clones:
             if self.learning_rate_source is not None:
                 with tf.init_scope():  # on the worker, as Keras would create it
                     keras_compat.create_learning_rate(self.learning_rate_source)
-            with tf.init_scope(), tf.device(variable.device), \
-                    (self._shared_slot_scope(variable) if self._shared else contextlib.nullcontext()):
+            with tf.init_scope(), tf.device(variable.device), self._shared_slot_scope(variable):
                 clone = keras_compat.clone_optimizer(self._optimizer, clip=self._clip)
                 if self.learning_rate_source is not None:
                     keras_compat.share_learning_rate(clone, self.learning_rate_source)
@@ -60,7 +59,8 @@ class Clones:
             initial_value = kwargs["initial_value"]
             value = initial_value() if callable(initial_value) else initial_value
             value = tf.convert_to_tensor(value, dtype=kwargs.get("dtype"))
-            return self._registry.shared_slot(variable, (kwargs.get("name") or "slot").split(":")[0], value)
+            name = (kwargs.get("name") or "slot").split(":")[0]
+            return self._registry.shared_slot(variable, f"{self._namespace}/{name}", value)
         return tf.variable_creator_scope(creator)
 
     def finalize(self, variables):

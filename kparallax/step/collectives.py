@@ -128,7 +128,8 @@ def barrier(num_workers, tokens=(), name="kp_barrier"):
     constant folding would evaluate the collective while optimizing the graph (seen: a hang at the first step).
     """
     salt = 1.0 + float(zlib.crc32(name.encode()) % 1009)
-    token = tf.cast(ready(list(tokens) + [_LOCAL_COUNTER.next()]), tf.float32) * salt
+    with tf.name_scope(name):  # profiles see when the tokens arrived (``kparallax_bench.op_profile``)
+        token = tf.cast(ready(list(tokens) + [_LOCAL_COUNTER.next()]), tf.float32) * salt
     if num_workers == 1:
         return token
     return hvd.allreduce(token, op=hvd.Sum, name=name)

@@ -1,17 +1,19 @@
 """Synchronous aggregation of the gradients of PS variables: one update per step, applied on the PS.
 
-Per step and per PS variable:
+Per step and per PS variable with a sparse gradient, in ONE remote chain on the variable's PS task:
   1. push: every worker (with local aggregation, one worker per host, after an allgather inside the host, one per
-     table) adds its deduplicated rows into an accumulator next to the variable on its PS task (``scatter_add``; a
-     dense gradient is added whole), then increments the variable's push counter; the counter's new value is the
-     push's *token*;
-  2. the workers allgather the ids they pushed, one allgather per table, each tied to the tokens of that table's
-     pushes only (no id leaves before its rows landed, and a table whose gradient comes early in backprop is
-     exchanged and updated while backprop goes on); for dense gradients they pass a barrier that carries the
-     tokens instead;
-  3. the chief reads the accumulated rows of the union of ids on the PS (the ids travel there as data), applies
-     ONE optimizer update with its clone (``clones.py``), zeroes those rows and increments the update counter,
-     whose value is the token the end-of-step barrier (``train_step.py``) waits for.
+     table) adds its deduplicated rows into an accumulator next to the variable (``scatter_add``), marks their ids
+     in a *touched* mask of the variable's rows, then increments the variable's push counter;
+  2. the push that brings the counter to ``pushers x (updates + 1)`` is the step's last: it reads the accumulated
+     rows of the touched ids, applies ONE optimizer update with its clone (``clones.py``; every pusher has one, their
+     slots are shared on the PS), zeroes those rows and the mask and increments the update counter. That value is
+     its token; the other pushes' token is their count. So the update starts where the last rows land, with no
+     collective and no further round trip. Everything the update reads is on the PS or crossed before the push
+     (the learning rate, which lives on the worker, is read once per step outside it);
+  3. the end-of-step barrier (``train_step.py``) carries every pusher's tokens: no worker goes on before the update.
+Dense gradients of PS variables (the ``ps`` architecture) are added whole; the workers pass a barrier carrying those
+pushes' tokens, then the chief reads the sums and applies them (their norm for ``clipnorm`` may span a table's
+shards on several tasks).
 Gradient clipping (the user's ``clipnorm`` / ``clipvalue``) is applied along the way as one process would
 (``clipping.py``); the clones do not clip again.
 Only touched rows and their ids cross the network; the update math runs on the PS device. Ordering across devices
@@ -23,11 +25,13 @@ from typing import List
 
 import tensorflow as tf
 
+from kparallax._compat import keras as keras_compat
 from kparallax.step import clipping as clipping_lib
 from kparallax.step import collectives
 from kparallax.step import local_aggregation
 
 ACCUMULATOR = "kp_accumulator"
+TOUCHED = "kp_touched"
 PUSHES = "kp_pushes"
 UPDATES = "kp_updates"
 
@@ -37,7 +41,7 @@ class PsStep:
     """What the PS path of one step hands to the step builder.
 
     Attributes:
-      tokens: int64 scalars the end-of-step barrier must wait for (this worker's pushes; the chief's updates).
+      tokens: int64 scalars the end-of-step barrier must wait for (this worker's pushes, the updates they made).
       keep: collective outputs nothing else reads (kept alive by the step).
       sent_bytes: int64 scalar, the bytes this worker sent to PS tasks in this step.
     """
@@ -58,8 +62,10 @@ def _op(value):
 
 
 def count(counter):
-    """Increments ``counter`` (a PS int64 helper) and returns its new value, read on the counter's device."""
-    return tf.convert_to_tensor(counter.assign_add(1))
+    """Increments ``counter`` (a PS int64 helper) and returns its new value, atomically on the counter's device:
+    concurrent increments see distinct values. (``assign_add`` then a read is two ops: two workers pushing at once
+    both read the final count, and both would have taken their push for the step's last.)"""
+    return tf.raw_ops.ResourceCountUpTo(resource=counter.handle, limit=2 ** 62, T=tf.int64) + 1
 
 
 class SyncPs:
@@ -71,11 +77,14 @@ class SyncPs:
       num_workers, is_chief: from Horovod.
       average: divide summed gradients by the worker count (the single-process equivalent).
       local: the ``LocalAggregation`` of this worker.
+      pushers: how many workers push each step (``num_workers``, or the host count with local aggregation).
       clipping: the user's optimizer's clipping (``_compat.keras.clipping``), done here; the clones do not clip.
     """
 
-    def __init__(self, registry, clones, num_workers, is_chief, average, local, clipping=()):
+    def __init__(self, registry, clones, num_workers, is_chief, average, local, pushers, clipping=()):
         self._registry = registry
+        self._pushers = pushers
+        self._rates = {}
         self._clones = clones
         self._n = num_workers
         self._is_chief = is_chief
@@ -86,14 +95,18 @@ class SyncPs:
     def _helper(self, variable, name):
         if name == ACCUMULATOR:
             return self._registry.helper(variable, name, variable.shape, variable.dtype)
+        if name == TOUCHED:
+            return self._registry.helper(variable, name, variable.shape[:1], tf.int32)
         return self._registry.helper(variable, name, [], tf.int64)
 
     @tf.autograph.experimental.do_not_convert
     def build(self, grads_and_vars):
-        """Builds push, id exchange and (on the chief) the update for ``grads_and_vars`` of PS variables."""
+        """Builds the pushes of ``grads_and_vars`` (PS variables), the update by each variable's last push, and for
+        dense gradients the barrier and (on the chief) their update."""
         sparse = [(g, v) for g, v in grads_and_vars if isinstance(g, tf.IndexedSlices)]
         dense = [(g, v) for g, v in grads_and_vars if not isinstance(g, tf.IndexedSlices)]
         tokens, keep, sent = [], [], []
+        self._rates = {}  # the learning rates read in this step (``_update_if_last``)
         sparse = [(self._clip.slices(g), v) for g, v in sparse]
         factors, sums = self._clip.sparse_norm_factors(sparse)
         keep += sums
@@ -101,16 +114,16 @@ class SyncPs:
         tables = self._tables(sparse)
         pushed, unused = self._local.sparse(deduped, tables)
         keep += unused
-        pushed_ids = [ids[:0] for ids, _ in deduped]
-        if pushed is not None:
-            pushed_ids = []
-            for (_, variable), (ids, rows) in zip(sparse, pushed):
-                with tf.device(variable.device):
-                    added = self._helper(variable, ACCUMULATOR).scatter_add(tf.IndexedSlices(rows, ids))
-                    with tf.control_dependencies([_op(added)]):
-                        tokens.append(count(self._helper(variable, PUSHES)))
-                pushed_ids.append(collectives.tie(ids, tokens[-1:]))
-                sent.append(nbytes([rows, ids]))
+        for (_, variable), (ids, rows) in zip(sparse, pushed or []):
+            factor = factors.get(self._group(variable))
+            with tf.device(variable.device):
+                added = self._helper(variable, ACCUMULATOR).scatter_add(tf.IndexedSlices(rows, ids))
+                marked = self._helper(variable, TOUCHED).scatter_update(
+                    tf.IndexedSlices(tf.ones_like(ids, tf.int32), ids))
+                with tf.control_dependencies([_op(added), _op(marked)]):
+                    pushes = count(self._helper(variable, PUSHES))
+                tokens.append(self._update_if_last(variable, pushes, factor))
+            sent.append(nbytes([rows, ids]))
         dense_grads, unused = self._local.dense([g for g, _ in dense])
         keep += unused
         for grad, (_, variable) in zip(dense_grads or [], dense):
@@ -119,18 +132,16 @@ class SyncPs:
                 with tf.control_dependencies([_op(added)]):
                     tokens.append(count(self._helper(variable, PUSHES)))
             sent.append(nbytes([grad]))
-        # Each table's ids leave once its own pushes landed (the ids are tied to their push tokens above).
-        all_ids = collectives.allgather_groups(pushed_ids, tables, self._n, "kp_sparse_ids")
-        pushed_all = collectives.barrier(self._n, tokens, "kp_ps_pushed") if dense else None
         sent_bytes = tf.add_n(sent) if sent else tf.constant(0, tf.int64)
+        if not dense:
+            return PsStep(tokens, keep, sent_bytes)
+        pushed_all = collectives.barrier(self._n, tokens, "kp_ps_pushed")
         if not self._is_chief:
-            return PsStep(tokens, keep + list(all_ids) + ([pushed_all] if dense else []), sent_bytes)
-        updates = [self._apply_rows(variable, ids, factors.get(self._group(variable)))
-                   for (_, variable), ids in zip(sparse, all_ids)]
+            return PsStep(tokens, keep + [pushed_all], sent_bytes)
         grads = [(self._clip.dense(self._read_whole(variable, pushed_all)), variable) for _, variable in dense]
         factors = self._clip.dense_norm_factors(grads)
-        updates += [self._apply_whole(variable, grad, factors.get(self._group(variable))) for grad, variable in grads]
-        return PsStep(updates, keep, sent_bytes)
+        updates = [self._apply_whole(variable, grad, factors.get(self._group(variable))) for grad, variable in grads]
+        return PsStep(tokens + updates, keep, sent_bytes)
 
     def _tables(self, sparse):
         """The positions in ``sparse`` of each table's variables (a variable, or all shards of a partitioned table),
@@ -141,7 +152,7 @@ class SyncPs:
         return list(groups.values())
 
     def _divisor(self):
-        """What the chief divides summed gradients by: the worker count when averaging, else 1."""
+        """What an update divides summed gradients by: the worker count when averaging, else 1."""
         return self._n if self._average and self._n > 1 else 1
 
     def _scaled(self, value):
@@ -159,18 +170,40 @@ class SyncPs:
         with tf.control_dependencies([check, _op(zeroed)]):
             return count(self._helper(variable, UPDATES))
 
-    def _apply_rows(self, variable, ids, factor=None):
-        accumulator = self._helper(variable, ACCUMULATOR)
-        with tf.device(variable.device):
-            ids = tf.unique(ids).y
-            rows = self._scaled(accumulator.sparse_read(ids))
-            if factor is not None:
-                rows = rows * factor
-            grad = tf.IndexedSlices(rows, ids, dense_shape=tf.constant(variable.shape.as_list(), tf.int64))
-            self._clones.get(variable).apply_gradients([(grad, variable)])
-            # Automatic control dependencies order these reads and writes after the update of the same variables.
-            check = tf.reduce_sum(variable.sparse_read(ids[:1]))
-            zeroed = accumulator.scatter_update(tf.IndexedSlices(tf.zeros_like(rows), ids))
+    def _update_if_last(self, variable, pushes, factor):
+        """On ``variable``'s PS task: if ``pushes`` (this push's count) completes the step's pushes, the update
+        (``_apply_rows``) and its token, else ``pushes``. Every push counted before this one has landed, since each
+        push counts after its rows and ids are written."""
+        with tf.control_dependencies([pushes]):
+            done = self._helper(variable, UPDATES).read_value()  # this step's update cannot have run yet
+        last = tf.equal(pushes, (done + 1) * self._pushers)
+        clone = self._clones.get(variable)
+        rate = keras_compat.shared_learning_rate(clone)
+        if rate is None:
+            return tf.cond(last, lambda: self._apply_rows(variable, factor), lambda: tf.identity(pushes))
+        # The learning rate lives on the worker. Read inside the branch, it would cost every push a message from the
+        # PS to the worker and back (taken or not), and the update a round trip; read here, it crosses once per step
+        # and PS task.
+        if rate.ref() not in self._rates:
+            with tf.device(rate.device):
+                self._rates[rate.ref()] = rate.read_value()
+        with keras_compat.learning_rate_value(clone, self._rates[rate.ref()]):
+            return tf.cond(last, lambda: self._apply_rows(variable, factor), lambda: tf.identity(pushes))
+
+    def _apply_rows(self, variable, factor=None):
+        """The step's one update of ``variable`` from the accumulated rows of its touched ids; its token."""
+        accumulator, touched = self._helper(variable, ACCUMULATOR), self._helper(variable, TOUCHED)
+        ids = tf.where(touched.read_value() > 0)[:, 0]
+        rows = self._scaled(accumulator.sparse_read(ids))
+        if factor is not None:
+            rows = rows * factor
+        grad = tf.IndexedSlices(rows, ids, dense_shape=tf.constant(variable.shape.as_list(), tf.int64))
+        self._clones.get(variable).apply_gradients([(grad, variable)])
+        # Automatic control dependencies order these reads and writes after the update of the same variables.
+        check = tf.reduce_sum(variable.sparse_read(ids[:1]))
+        zeroed = accumulator.scatter_update(tf.IndexedSlices(tf.zeros_like(rows), ids))
+        cleared = touched.scatter_update(tf.IndexedSlices(tf.zeros_like(ids, tf.int32), ids))
+        with tf.control_dependencies([_op(cleared)]):
             return self._finish(variable, check, zeroed)
 
     def _read_whole(self, variable, pushed_all):

@@ -4,12 +4,12 @@
 ``apply_gradients`` builds the step:
 
   1. split the gradients: replicated variables vs PS variables (the strategy's registry decides);
-  2. PS path (``ps_sync.SyncPs`` or ``ps_async.AsyncPs``): push, exchange ids, the chief's update on the PS;
+  2. PS path (``ps_sync.SyncPs`` or ``ps_async.AsyncPs``): push; the step's last push updates on the PS;
   3. dense path: one Horovod allreduce per gradient (``collectives.average_gradients``; each starts when its
      gradient exists, Horovod fuses what is ready), applied locally by the user's optimizer, while the PS path is
      in flight;
   4. synchronous PS training ends at a barrier carrying the PS path's tokens, so no worker reads PS rows of the
-     next step before the chief's update of this one has landed.
+     next step before the update of this one has landed.
 With ``backward_passes_per_step = k`` the gradients are first accumulated locally (``accumulation.py``) and steps
 2-4 run every k-th call. Around it, the model's ``train_step`` (``core/keras_hooks._train_step``) takes the
 step's logs over the workers (``logs.over_workers``), concurrently with backprop.
@@ -172,8 +172,8 @@ class _RoutingMixin:
 
     def finalize_variable_values(self, var_list):
         """End of ``fit`` (Keras 2.11+ optimizers): with ``use_ema``, every variable takes its moving average.
-        Replicated ones from this optimizer; PS ones from the clones that updated them (the chief's, under
-        synchronous training), then every worker waits for that at a barrier."""
+        Replicated ones from this optimizer; PS ones from the clones (their moving averages are shared slots on the
+        PS), then every worker waits for that at a barrier."""
         step = self._kp_step
         ps = [v for v in var_list if step.is_ps_variable(v)]
         super().finalize_variable_values([v for v in var_list if not step.is_ps_variable(v)])

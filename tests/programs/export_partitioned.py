@@ -5,8 +5,8 @@ load_plain.py; then loads model.keras with strategy.load_model on both workers a
 
 import os
 import sys
+import time
 
-import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
@@ -46,8 +46,12 @@ def main(out):
         np.savez(os.path.join(out, "expected.npz"), *model.get_weights(), x=x[:8], predictions=model.predict(x[:8]),
                  x_train=x, y_train=y, **{f"initial_{i}": w for i, w in enumerate(initial)})
         print("exported", flush=True)
-    hvd.allreduce(tf.constant(1.0), name="test_files_written")  # worker 1 reads what worker 0 wrote
-    loaded = strategy.load_model(os.path.join(out, "model.keras"))  # every worker, as a resumed program would
+    # Saved just before the load, late (worker 0 writes, the others return at once): load_model's barrier keeps
+    # worker 1 from reading the file before it is complete.
+    if strategy.is_chief:
+        time.sleep(2)
+    model.save(os.path.join(out, "resumed.keras"))
+    loaded = strategy.load_model(os.path.join(out, "resumed.keras"))  # every worker, as a resumed program would
     assert len(loaded.get_layer("table").weights) == 2 and strategy.is_ps_variable(loaded.get_layer("table").weights[0])
     for a, b in zip(loaded.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(a, b)
