@@ -166,47 +166,52 @@ def share_learning_rate(clone, source):
     Returns whether it was shared."""
     if optimizer_family(clone) != optimizer_family(source):
         return False
-    if optimizer_family(clone) == "new":
-        rate = getattr(source, "_learning_rate", None)
-        if isinstance(rate, tf.Variable):
-            clone._learning_rate = rate  # pylint: disable=protected-access
-            return True
+    rate = _get_rate(source)
+    if not isinstance(rate, tf.Variable):
         return False
-    rate = source._hyper.get("learning_rate")  # pylint: disable=protected-access
-    if isinstance(rate, tf.Variable):
+    if optimizer_family(clone) == "new":
+        clone._learning_rate = rate  # pylint: disable=protected-access
+    else:  # ``_set_hyper`` also tracks the variable, as the legacy optimizer's own hyper-parameters are
         clone._set_hyper("learning_rate", rate)  # pylint: disable=protected-access
-        return True
-    return False
+    return True
+
+
+def _get_rate(optimizer):
+    """What ``optimizer`` reads as its learning rate when it builds an update: the private ``_learning_rate``
+    (Keras 2.11+ optimizers) or the ``learning_rate`` hyper-parameter (legacy ones); None if it has none."""
+    if optimizer_family(optimizer) == "new":
+        return getattr(optimizer, "_learning_rate", None)
+    return optimizer._hyper.get("learning_rate")  # pylint: disable=protected-access
+
+
+def _put_rate(optimizer, value):
+    """Replaces what ``_get_rate`` returns, without tracking (``learning_rate_value``)."""
+    if optimizer_family(optimizer) == "new":
+        optimizer._learning_rate = value  # pylint: disable=protected-access
+    else:
+        optimizer._hyper["learning_rate"] = value  # pylint: disable=protected-access
 
 
 def shared_learning_rate(clone):
     """The learning-rate variable ``clone`` shares with the optimizer Keras trains with (``share_learning_rate``),
     or None (a schedule, or not shared)."""
-    if optimizer_family(clone) == "new":
-        rate = getattr(clone, "_learning_rate", None)
-    else:
-        rate = clone._hyper.get("learning_rate")  # pylint: disable=protected-access
+    rate = _get_rate(clone)
     return rate if isinstance(rate, tf.Variable) else None
 
 
 @contextlib.contextmanager
 def learning_rate_value(clone, value):
     """While the caller traces an update by ``clone``, the clone's learning rate is the tensor ``value`` (a read of
-    its ``shared_learning_rate`` made before) instead of that variable: Keras reads ``_learning_rate`` (Keras
-    2.11+ optimizers) or the ``learning_rate`` hyper-parameter (legacy ones) when it builds the update."""
-    new = optimizer_family(clone) == "new"
-    saved = clone._learning_rate if new else clone._hyper["learning_rate"]  # pylint: disable=protected-access
+    its ``shared_learning_rate`` made before) instead of that variable. With ``value`` None, nothing changes."""
+    if value is None:
+        yield
+        return
+    saved = _get_rate(clone)
     try:
-        if new:
-            clone._learning_rate = value  # pylint: disable=protected-access
-        else:
-            clone._hyper["learning_rate"] = value  # pylint: disable=protected-access
+        _put_rate(clone, value)
         yield
     finally:
-        if new:
-            clone._learning_rate = saved  # pylint: disable=protected-access
-        else:
-            clone._hyper["learning_rate"] = saved  # pylint: disable=protected-access
+        _put_rate(clone, saved)
 
 
 def layer_being_built(max_depth=40):

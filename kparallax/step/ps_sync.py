@@ -178,27 +178,32 @@ class SyncPs:
             done = self._helper(variable, UPDATES).read_value()  # this step's update cannot have run yet
         last = tf.equal(pushes, (done + 1) * self._pushers)
         clone = self._clones.get(variable)
+        with keras_compat.learning_rate_value(clone, self._rate(clone)):
+            return tf.cond(last, lambda: self._apply_rows(variable, clone, factor), lambda: tf.identity(pushes))
+
+    def _rate(self, clone):
+        """This step's read of the learning rate ``clone`` shares with the user's optimizer, or None (not shared).
+        The rate lives on the worker. Read inside the update's branch, it would cost every push a message from the
+        PS to the worker and back (taken or not), and the update a round trip; read once, it crosses once per step
+        and PS task."""
         rate = keras_compat.shared_learning_rate(clone)
         if rate is None:
-            return tf.cond(last, lambda: self._apply_rows(variable, factor), lambda: tf.identity(pushes))
-        # The learning rate lives on the worker. Read inside the branch, it would cost every push a message from the
-        # PS to the worker and back (taken or not), and the update a round trip; read here, it crosses once per step
-        # and PS task.
+            return None
         if rate.ref() not in self._rates:
             with tf.device(rate.device):
                 self._rates[rate.ref()] = rate.read_value()
-        with keras_compat.learning_rate_value(clone, self._rates[rate.ref()]):
-            return tf.cond(last, lambda: self._apply_rows(variable, factor), lambda: tf.identity(pushes))
+        return self._rates[rate.ref()]
 
-    def _apply_rows(self, variable, factor=None):
-        """The step's one update of ``variable`` from the accumulated rows of its touched ids; its token."""
+    def _apply_rows(self, variable, clone, factor=None):
+        """The step's one update of ``variable`` by ``clone`` from the accumulated rows of its touched ids; its
+        token."""
         accumulator, touched = self._helper(variable, ACCUMULATOR), self._helper(variable, TOUCHED)
         ids = tf.where(touched.read_value() > 0)[:, 0]
         rows = self._scaled(accumulator.sparse_read(ids))
         if factor is not None:
             rows = rows * factor
         grad = tf.IndexedSlices(rows, ids, dense_shape=tf.constant(variable.shape.as_list(), tf.int64))
-        self._clones.get(variable).apply_gradients([(grad, variable)])
+        clone.apply_gradients([(grad, variable)])
         # Automatic control dependencies order these reads and writes after the update of the same variables.
         check = tf.reduce_sum(variable.sparse_read(ids[:1]))
         zeroed = accumulator.scatter_update(tf.IndexedSlices(tf.zeros_like(rows), ids))
