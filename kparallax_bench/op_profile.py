@@ -15,9 +15,13 @@
   Keras' ``train_step`` names the gradient ops) and when its step function returned, in ms after the first worker
   started that step; medians over the steps. In a synchronous step nobody finishes before the slowest worker's
   gradients have been exchanged and applied, so the *tail* (the last backprop's end to the last step's end) is what
-  the exchange and the update add after the compute.
+  the exchange and the update add after the compute. Marks in between: when the step read its batch (before it, the
+  step function is being dispatched, to the PS tasks too), when the PS answered the worker's pushes (kparallax's
+  synchronous PS path), and any ``--mark NAME=REGEX`` (the first op whose name matches, e.g. the model's first
+  compute op: the time from the batch to it is the forward's wait for its embedding rows).
 
-    python -m kparallax_bench.op_profile DIR [--steps N] [--top 12] [--phases] [--json out.json]
+    python -m kparallax_bench.op_profile DIR [--steps N] [--top 12] [--phases [--mark NAME=REGEX ...]]
+        [--json out.json]
 """
 
 import argparse
@@ -151,7 +155,25 @@ def events(space):
 # kparallax's synchronous PS path sums the tokens of its end-of-step barrier once the PS answered every push of this
 # worker (and the updates those pushes made, if they were their step's last); Grappler may rename the sum
 # (``ArithmeticOptimizer/AddOpsRewrite_kp_step_done/AddN``).
-MARKS = {"PS answered (end barrier)": r"kp_step_done/AddN"}
+# Every step reads its batch first (the op that starts what the step computes; before it, the step function is being
+# dispatched, to the PS tasks' parts of it too).
+MARKS = {"batch read": r"^IteratorGetNext", "PS answered (end barrier)": r"kp_step_done/AddN"}
+
+
+def parse_marks(texts):
+    """``NAME=REGEX`` texts (``--mark``) -> {name: pattern}, after ``MARKS``; each must name one and compile."""
+    marks = dict(MARKS)
+    for text in texts:
+        name, sep, pattern = text.partition("=")
+        if not sep or not name.strip() or not pattern:
+            raise ValueError("--mark takes NAME=REGEX, e.g. 'forward started=lm1b/lstm/transpose'. "
+                             f"Received: {text!r}.")
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"--mark {name.strip()}: not a regular expression ({e}). Received: {pattern!r}.") from None
+        marks[name.strip()] = pattern
+    return marks
 
 
 def step_phases(by_worker, marks=None):
@@ -200,8 +222,8 @@ def step_phases(by_worker, marks=None):
             "last_backprop_done": median(last), "step": median(length), "tail": median(tail), "marks": list(marks)}
 
 
-def phases(directory):
-    """{label: ``step_phases``} for every ``DIR/<label>/`` holding ``worker-<rank>/`` traces."""
+def phases(directory, marks=None):
+    """{label: ``step_phases``} for every ``DIR/<label>/`` holding ``worker-<rank>/`` traces (``marks``: as there)."""
     result = {}
     for label, _ in _run_dirs(directory):
         workers = sorted(glob.glob(os.path.join(directory, label, "worker-*")))
@@ -211,7 +233,7 @@ def phases(directory):
         for path in workers:
             rank = int(path.rsplit("-", 1)[1])
             by_worker[rank] = [e for _, space in _xspaces(path) for e in events(space)]
-        result[label] = step_phases(by_worker)
+        result[label] = step_phases(by_worker, marks)
     if not result:
         raise FileNotFoundError(f"No worker-<rank>/ traces under {directory}: run the benchmark with --profile DIR "
                                 f"first. Received: {directory}.")
@@ -219,17 +241,27 @@ def phases(directory):
 
 
 def phases_markdown(result):
-    def cell(value):
-        return "-" if value is None else f"{value:.0f}"
+    """Every run's phases as a table: backprop done and the marks in the order they happen, in ms (one decimal for
+    steps under 30 ms)."""
     lines = []
     for label, entry in result.items():
-        marks = [m for m in entry.get("marks", []) if any(row.get(m) is not None for row in entry["workers"].values())]
+        digits = 1 if entry["step"] < 30 else 0
+
+        def cell(value, digits=digits):
+            return "-" if value is None else f"{value:.{digits}f}"
+
+        def first(mark, entry=entry):
+            return min((row[mark] for row in entry["workers"].values() if row.get(mark) is not None), default=0)
+        columns = sorted(["backprop_done"] + [m for m in entry.get("marks", [])
+                                              if any(row.get(m) is not None for row in entry["workers"].values())],
+                         key=first)
+        titles = [c.replace("backprop_done", "backprop done") for c in columns]
         lines += ["", f"{label}: ms after the first worker started the step (medians over {entry['steps']} steps)", "",
-                  "| worker | step function started | backprop done | " + "".join(f"{m} | " for m in marks)
-                  + "step function returned |", "|---|---:|---:|" + "---:|" * len(marks) + "---:|"]
+                  "| worker | step function started | " + "".join(f"{t} | " for t in titles)
+                  + "step function returned |", "|---|---:|" + "---:|" * len(columns) + "---:|"]
         for rank, row in entry["workers"].items():
-            lines.append(f"| {rank} | {cell(row['start'])} | {cell(row['backprop_done'])} | "
-                         + "".join(f"{cell(row[m])} | " for m in marks) + f"{cell(row['end'])} |")
+            lines.append(f"| {rank} | {cell(row['start'])} | " + "".join(f"{cell(row[c])} | " for c in columns)
+                         + f"{cell(row['end'])} |")
         if entry["tail"] is not None:
             lines.append(f"\nThe slowest worker's backprop is done at {entry['last_backprop_done']:.0f} ms of a "
                          f"{entry['step']:.0f} ms step: the tail after it (its last pushes or collectives, the "
@@ -264,12 +296,15 @@ def main(argv=None):
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--phases", action="store_true",
                         help="also every worker's step phases (start, backprop done, end) and the step's tail")
+    parser.add_argument("--mark", action="append", default=[], metavar="NAME=REGEX",
+                        help="with --phases, also when the first op whose name matches REGEX started (repeatable)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     try:
+        marks = parse_marks(args.mark)
         result = summarize(args.directory, args.steps, args.top)
         if args.phases:
-            for label, entry in phases(args.directory).items():
+            for label, entry in phases(args.directory, marks).items():
                 result[label]["phases"] = entry
     except (FileNotFoundError, ValueError) as e:
         print(f"op_profile: {e}", file=sys.stderr)

@@ -40,17 +40,35 @@ def _worker(start, backprop_done, end):
 def test_step_phases_align_the_workers_steps_and_measure_the_tail():
     # Two steps of two workers on one clock: worker 1 starts 10 ms later and computes longer; both return together.
     by_worker = {0: _worker(0, 40, 100) + _worker(200, 230, 290)
-                 + [(80, 2, "kp_step_done/AddN:AddN", False), (280, 2, "kp_step_done/AddN:AddN", False)],
+                 + [(80, 2, "kp_step_done/AddN:AddN", False), (280, 2, "kp_step_done/AddN:AddN", False),
+                    (4, 1, "IteratorGetNext:IteratorGetNext", False),
+                    (206, 1, "IteratorGetNext:IteratorGetNext", False)],
                  1: _worker(10, 70, 101) + _worker(205, 250, 291)}
     result = op_profile.step_phases(by_worker)
     assert result["steps"] == 2
     assert result["workers"][0] == {"start": 0, "backprop_done": 35, "end": 95,   # medians of (40, 30), (100, 90)
+                                    "batch read": 5,   # (4, 6)
                                     "PS answered (end barrier)": 80}   # worker 0's end barrier (80, 80)
-    assert result["workers"][1] == {"start": 7.5, "backprop_done": 60, "end": 96, "PS answered (end barrier)": None}
+    assert result["workers"][1] == {"start": 7.5, "backprop_done": 60, "end": 96, "batch read": None,
+                                    "PS answered (end barrier)": None}
     assert result["last_backprop_done"] == 60   # the slowest worker: (70, 50)
     assert result["step"] == 96 and result["tail"] == 36   # steps (101, 91), tails (101 - 70, 91 - 50)
     table = op_profile.phases_markdown({"run@2": result})
-    assert "| 1 | 8 | 60 | - | 96 |" in table and "| 0 | 0 | 35 | 80 | 95 |" in table and "takes 36 ms (38%)" in table
+    assert "| worker | step function started | batch read | backprop done | PS answered (end barrier) |" in table
+    assert "| 1 | 8 | - | 60 | - | 96 |" in table and "| 0 | 0 | 5 | 35 | 80 | 95 |" in table
+    assert "takes 36 ms (38%)" in table
+
+
+def test_marks_from_the_command_line_add_to_the_default_ones_and_bad_ones_are_named():
+    marks = op_profile.parse_marks(["forward started=^dense/MatMul:"])
+    assert list(marks) == ["batch read", "PS answered (end barrier)", "forward started"]
+    result = op_profile.step_phases({0: _worker(0, 40, 100)}, marks)
+    assert result["workers"][0]["forward started"] == 2   # the first match, not the gradient's MatMul at 1
+    with pytest.raises(ValueError, match="--mark takes NAME=REGEX.*Received: 'dense/MatMul'"):
+        op_profile.parse_marks(["dense/MatMul"])
+    with pytest.raises(ValueError, match=r"--mark x: not a regular expression.*Received: '\('"):
+        op_profile.parse_marks(["x=("])
+    assert op_profile.main(["/nonexistent", "--phases", "--mark", "x=("]) == 2
 
 
 def test_step_phases_without_steps_in_a_trace_are_refused():
