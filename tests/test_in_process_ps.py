@@ -78,6 +78,7 @@ def test_table_on_ps_trains_like_plain_keras(strategy, regularized):
     assert not entry.helpers["kp_accumulator"].numpy().any(), "each update zeroes the accumulated rows"
     if not regularized:
         assert not entry.helpers["kp_touched"].numpy().any(), "each update clears the touched ids"
+    assert not _has_pushed_barrier(model), "the last push applies the update, dense gradients too: no barrier"
 
 
 def test_push_counter_gives_concurrent_pushes_distinct_counts():
@@ -139,22 +140,31 @@ def _rnn(name):
                                 tf.keras.layers.Dense(1)], name=name)
 
 
-def _reads_in_loops(model):
-    """ReadVariableOps inside the while-loop bodies of the model's traced train step (nested graphs too)."""
+def _traced_ops(model):
+    """(op, inside a while-loop body) for every op of the model's traced train step, nested graphs too."""
     function = model.train_tf_function.get_concrete_function(
         iter(tf.data.Dataset.from_tensor_slices(_data()).batch(16)))
-    pending, count = [(function.graph, False)], 0
+    pending = [(function.graph, False)]
     while pending:
         graph, in_loop = pending.pop()
         for op in graph.get_operations():
-            count += in_loop and op.type == "ReadVariableOp"
+            yield op, in_loop
             for attr in ("body", "cond", "then_branch", "else_branch"):
                 try:
                     nested = graph._get_function(op.get_attr(attr).name).graph  # pylint: disable=protected-access
                 except (ValueError, AttributeError, TypeError):
                     continue
                 pending.append((nested, in_loop or (op.type in ("While", "StatelessWhile") and attr == "body")))
-    return count
+
+
+def _reads_in_loops(model):
+    """ReadVariableOps inside the while-loop bodies of the model's traced train step."""
+    return sum(in_loop and op.type == "ReadVariableOp" for op, in_loop in _traced_ops(model))
+
+
+def _has_pushed_barrier(model):
+    """Whether the traced train step has the barrier after which worker 0 applies dense gradients of PS variables."""
+    return any(op.name.startswith("kp_ps_pushed/") or "/kp_ps_pushed/" in op.name for op, _ in _traced_ops(model))
 
 
 def test_architecture_ps_reads_each_dense_ps_variable_once_per_step_and_trains_exactly(strategy):
@@ -411,6 +421,8 @@ def test_clipping_of_a_partitioned_table_matches_plain_keras(strategy, clipped, 
     for got, want in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+    # A dense gradient's norm spans the table's 3 shards: its update waits for every push (barrier, worker 0).
+    assert _has_pushed_barrier(model) == regularized
 
 
 def test_mixed_precision_recompile_keeps_the_optimizer_and_an_explicit_loss_scale_optimizer_is_refused(strategy):

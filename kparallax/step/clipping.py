@@ -36,6 +36,11 @@ class Clipping:
         self._group_of = group_of
         self._norm = next((c for kind, c in self._plan if kind == "norm"), None)
 
+    @property
+    def by_norm(self):
+        """Whether ``clipnorm`` is set: a dense gradient's factor needs every push of its table's shards first."""
+        return self._norm is not None
+
     def slices(self, grad):
         """``clipvalue`` on this worker's slices of a sparse gradient (before they are summed per id)."""
         for kind, bound in self._plan:

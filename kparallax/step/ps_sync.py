@@ -11,9 +11,9 @@ Per step and per PS variable with a sparse gradient, in ONE remote chain on the 
      collective and no further round trip. Everything the update reads is on the PS or crossed before the push
      (the learning rate, which lives on the worker, is read once per step outside it);
   3. the end-of-step barrier (``train_step.py``) carries every pusher's tokens: no worker goes on before the update.
-Dense gradients of PS variables (the ``ps`` architecture) are added whole; the workers pass a barrier carrying those
-pushes' tokens, then the chief reads the sums and applies them (their norm for ``clipnorm`` may span a table's
-shards on several tasks).
+Dense gradients of PS variables (the ``ps`` architecture) are added whole into the accumulator, and the step's last
+push applies them the same way. With ``clipnorm`` they instead pass a barrier carrying those pushes' tokens, then the
+chief reads the sums and applies them: their norm may span a table's shards on several tasks.
 Gradient clipping (the user's ``clipnorm`` / ``clipvalue``) is applied along the way as one process would
 (``clipping.py``); the clones do not clip again.
 Only touched rows and their ids cross the network; the update math runs on the PS device. Ordering across devices
@@ -101,8 +101,8 @@ class SyncPs:
 
     @tf.autograph.experimental.do_not_convert
     def build(self, grads_and_vars):
-        """Builds the pushes of ``grads_and_vars`` (PS variables), the update by each variable's last push, and for
-        dense gradients the barrier and (on the chief) their update."""
+        """Builds the pushes of ``grads_and_vars`` (PS variables) and the update by each variable's last push (with
+        ``clipnorm``, for dense gradients: the barrier and, on the chief, their update)."""
         sparse = [(g, v) for g, v in grads_and_vars if isinstance(g, tf.IndexedSlices)]
         dense = [(g, v) for g, v in grads_and_vars if not isinstance(g, tf.IndexedSlices)]
         tokens, keep, sent = [], [], []
@@ -122,18 +122,24 @@ class SyncPs:
                     tf.IndexedSlices(tf.ones_like(ids, tf.int32), ids))
                 with tf.control_dependencies([_op(added), _op(marked)]):
                     pushes = count(self._helper(variable, PUSHES))
-                tokens.append(self._update_if_last(variable, pushes, factor))
+                tokens.append(self._update_if_last(
+                    variable, pushes, lambda clone, v=variable, f=factor: self._apply_rows(v, clone, f)))
             sent.append(nbytes([rows, ids]))
         dense_grads, unused = self._local.dense([g for g, _ in dense])
         keep += unused
+        # With ``clipnorm``, a dense gradient's factor spans its table's shards (on several tasks): every push must
+        # land before any update, so those go through a barrier and the chief. Without it, the last push applies.
+        by_barrier = self._clip.by_norm
         for grad, (_, variable) in zip(dense_grads or [], dense):
             with tf.device(variable.device):
                 added = self._helper(variable, ACCUMULATOR).assign_add(grad)
                 with tf.control_dependencies([_op(added)]):
-                    tokens.append(count(self._helper(variable, PUSHES)))
+                    pushes = count(self._helper(variable, PUSHES))
+                tokens.append(pushes if by_barrier else self._update_if_last(
+                    variable, pushes, lambda clone, v=variable: self._apply_summed(v, clone)))
             sent.append(nbytes([grad]))
         sent_bytes = tf.add_n(sent) if sent else tf.constant(0, tf.int64)
-        if not dense:
+        if not dense or not by_barrier:
             return PsStep(tokens, keep, sent_bytes)
         pushed_all = collectives.barrier(self._n, tokens, "kp_ps_pushed")
         if not self._is_chief:
@@ -170,16 +176,16 @@ class SyncPs:
         with tf.control_dependencies([check, _op(zeroed)]):
             return count(self._helper(variable, UPDATES))
 
-    def _update_if_last(self, variable, pushes, factor):
+    def _update_if_last(self, variable, pushes, apply):
         """On ``variable``'s PS task: if ``pushes`` (this push's count) completes the step's pushes, the update
-        (``_apply_rows``) and its token, else ``pushes``. Every push counted before this one has landed, since each
-        push counts after its rows and ids are written."""
+        (``apply(clone)``: ``_apply_rows`` or ``_apply_summed``) and its token, else ``pushes``. Every push counted
+        before this one has landed, since each push counts after its rows (and ids) are written."""
         with tf.control_dependencies([pushes]):
             done = self._helper(variable, UPDATES).read_value()  # this step's update cannot have run yet
         last = tf.equal(pushes, (done + 1) * self._pushers)
         clone = self._clones.get(variable)
         with keras_compat.learning_rate_value(clone, self._rate(clone)):
-            return tf.cond(last, lambda: self._apply_rows(variable, clone, factor), lambda: tf.identity(pushes))
+            return tf.cond(last, lambda: apply(clone), lambda: tf.identity(pushes))
 
     def _rate(self, clone):
         """This step's read of the learning rate ``clone`` shares with the user's optimizer, or None (not shared).
@@ -225,12 +231,20 @@ class SyncPs:
                     grad = accumulator.read_value()
             return self._scaled(grad)
 
+    def _apply_summed(self, variable, clone):
+        """The step's one update of ``variable`` by ``clone`` from its summed dense gradient (no ``clipnorm``)."""
+        grad = self._clip.dense(self._scaled(self._helper(variable, ACCUMULATOR).read_value()))
+        return self._apply_dense(variable, clone, grad)
+
     def _apply_whole(self, variable, grad, factor=None):
-        accumulator = self._helper(variable, ACCUMULATOR)
         with tf.device(variable.device):
             if factor is not None:
                 grad = grad * factor
-            self._clones.get(variable).apply_gradients([(grad, variable)])
-            check = tf.reduce_sum(tf.reshape(variable.read_value(), [-1])[:1])
-            zeroed = accumulator.assign(tf.zeros_like(grad))
-            return self._finish(variable, check, zeroed)
+            return self._apply_dense(variable, self._clones.get(variable), grad)
+
+    def _apply_dense(self, variable, clone, grad):
+        """Applies the aggregated ``grad`` with ``clone``, zeroes the accumulator; the update's token."""
+        clone.apply_gradients([(grad, variable)])
+        check = tf.reduce_sum(tf.reshape(variable.read_value(), [-1])[:1])
+        zeroed = self._helper(variable, ACCUMULATOR).assign(tf.zeros_like(grad))
+        return self._finish(variable, check, zeroed)
