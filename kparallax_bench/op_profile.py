@@ -152,11 +152,11 @@ def events(space):
 
 
 # Ops marking a point of a step (first start inside the step function; worker rows without such an op show "-"):
-# kparallax's synchronous PS path sums the tokens of its end-of-step barrier once the PS answered every push of this
-# worker (and the updates those pushes made, if they were their step's last); Grappler may rename the sum
-# (``ArithmeticOptimizer/AddOpsRewrite_kp_step_done/AddN``).
-# Every step reads its batch first (the op that starts what the step computes; before it, the step function is being
-# dispatched, to the PS tasks' parts of it too).
+# - every step reads its batch first (the op that starts what the step computes; before it, the step function is
+#   being dispatched, to the PS tasks' parts of it too);
+# - kparallax's synchronous PS path sums the tokens of its end-of-step barrier once the PS answered every push of
+#   this worker (and the updates those pushes made, if they were their step's last); Grappler may rename the sum
+#   (``ArithmeticOptimizer/AddOpsRewrite_kp_step_done/AddN``).
 MARKS = {"batch read": r"^IteratorGetNext", "PS answered (end barrier)": r"kp_step_done/AddN"}
 
 
@@ -250,11 +250,10 @@ def phases_markdown(result):
         def cell(value, digits=digits):
             return "-" if value is None else f"{value:.{digits}f}"
 
-        def first(mark, entry=entry):
-            return min((row[mark] for row in entry["workers"].values() if row.get(mark) is not None), default=0)
-        columns = sorted(["backprop_done"] + [m for m in entry.get("marks", [])
-                                              if any(row.get(m) is not None for row in entry["workers"].values())],
-                         key=first)
+        times = {c: [row[c] for row in entry["workers"].values() if row.get(c) is not None]
+                 for c in ["backprop_done"] + list(entry.get("marks", []))}
+        columns = sorted((c for c, seen in times.items() if seen or c == "backprop_done"),
+                         key=lambda c: min(times[c], default=0))
         titles = [c.replace("backprop_done", "backprop done") for c in columns]
         lines += ["", f"{label}: ms after the first worker started the step (medians over {entry['steps']} steps)", "",
                   "| worker | step function started | " + "".join(f"{t} | " for t in titles)

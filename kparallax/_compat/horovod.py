@@ -5,8 +5,8 @@ Workarounds:
   (seen with TF 2.15.1 + Horovod 0.28.1). A worker that skips a collective the others run deadlocks them, so every
   collective output kparallax does not otherwise use is read by a stateful op (``KeepAlive.consume``).
 - Explicit names: Horovod matches tensors across workers by name, and auto-generated names differ when the
-  workers' graphs differ (the chief's update of dense PS gradients adds ops); every collective in a step gets a
-  fixed name.
+  workers' graphs differ (with ``clipnorm``, the chief's update of dense PS gradients adds ops); every collective
+  in a step gets a fixed name.
 - Static process sets only: local aggregation's per-host process sets are registered at ``hvd.init``. With
   ``hvd.init(process_sets="dynamic")`` (what adding a set after start-up needs) Horovod 0.28.1's background loop
   runs one more global Gloo allgather on *every* cycle (``ProcessSetTable::InitializeRegisteredAndRemoveMarkedIfReady``
