@@ -13,23 +13,27 @@ from kparallax.step import collectives
 from kparallax.step import logs as logs_lib
 
 
-class SyncReplicatedVariables(tf.keras.callbacks.Callback):
-    """Makes every worker start from worker 0's replicated weights.
+class ReplicatedWeights:
+    """Worker 0's values of a model's replicated variables, broadcast to every worker (``fit`` and
+    ``train_on_batch`` use it before their first step).
 
-    At the start of training it waits for this worker's pending PS writes, then broadcasts worker 0's values of
-    every replicated model variable (a collective, so it is also a barrier). Variables that first appear during
-    the first step (a model built inside ``fit``) are broadcast after that step.
+    ``sync()`` first waits for this worker's pending PS writes, then broadcasts the replicated variables not
+    broadcast yet (a collective, so it is also a barrier) and returns them. Variables that first appear during the
+    first step (a model built by its first call) are broadcast by ``sync_late()`` after that step, with a warning.
     """
 
-    def __init__(self, strategy):
-        super().__init__()
+    def __init__(self, strategy, model):
         self._strategy = strategy
+        self._model = model
         self._synced = set()
 
-    def _sync(self):
+    def _variables(self):
         # Keras lists non-variables too (the vocabulary handlers of lookup layers, which each worker adapts itself).
-        variables = [v for v in self.model.variables if isinstance(v, tf.Variable)
-                     and not self._strategy.is_ps_variable(v) and v.ref() not in self._synced]
+        return [v for v in self._model.variables if isinstance(v, tf.Variable)]
+
+    def sync(self):
+        variables = [v for v in self._variables()
+                     if not self._strategy.is_ps_variable(v) and v.ref() not in self._synced]
         tf_compat.async_wait()
         if self._strategy.num_workers > 1 and variables:
             hvd.broadcast_variables(variables, root_rank=0)
@@ -38,17 +42,32 @@ class SyncReplicatedVariables(tf.keras.callbacks.Callback):
         self._synced.update(v.ref() for v in variables)
         return variables
 
+    def sync_late(self):
+        if len(self._synced) >= len([v for v in self._variables() if not self._strategy.is_ps_variable(v)]):
+            return
+        late = self.sync()
+        if late:
+            tf.get_logger().warning(
+                "%d replicated variable(s) were created during the first step and were synchronized after it. "
+                "Build the model before training (give it an input shape) for exact single-process equivalence.",
+                len(late))
+
+
+class SyncReplicatedVariables(tf.keras.callbacks.Callback):
+    """``fit``'s start: every worker starts from worker 0's replicated weights (``ReplicatedWeights``)."""
+
+    def __init__(self, strategy):
+        super().__init__()
+        self._strategy = strategy
+        self._weights = None
+
     def on_train_begin(self, logs=None):
-        self._sync()
+        self._weights = ReplicatedWeights(self._strategy, self.model)
+        self._weights.sync()
 
     def on_train_batch_end(self, batch, logs=None):
-        if batch == 0 and len(self._synced) < len([v for v in self.model.variables if isinstance(v, tf.Variable)]):
-            late = self._sync()
-            if late:
-                tf.get_logger().warning(
-                    "%d replicated variable(s) were created during the first step and were synchronized after it. "
-                    "Build the model before fit (give it an input shape) for exact single-process equivalence.",
-                    len(late))
+        if batch == 0:
+            self._weights.sync_late()
 
 
 class AverageMetrics(tf.keras.callbacks.Callback):

@@ -1,19 +1,22 @@
 """Keras under a HybridStrategy: hooks bound per model instance when it is compiled inside ``scope()``.
 
 Process-wide, ``tf.keras.Model.compile`` is wrapped (``install()``, once): outside any scope it calls Keras
-unchanged (in a multi-worker job, that model's ``fit`` is refused: each worker would train alone). So are
-``Model.get_weights``/``set_weights``, for models not compiled yet: a model holding a partitioned table presents it
-whole from its creation on (every other model gets Keras' methods unchanged). Compiled inside a
-scope, the model gets its own ``fit``, ``evaluate``, ``predict``, ``get_weights``, ``set_weights``,
-``make_train_function`` (``steps_per_execution``) and the savers of ``saving.py`` (instance attributes bound to this
-model; every other model keeps Keras' methods), and a layer that holds a PS variable gets its own
-``get_weights``/``set_weights`` when the variable is created.
+unchanged (in a multi-worker job, that model's ``fit`` and ``train_on_batch`` are refused: each worker would train
+alone). So are ``Model.get_weights``/``set_weights``, for models not compiled yet: a model holding a partitioned
+table presents it whole from its creation on (every other model gets Keras' methods unchanged). Compiled inside a
+scope, the model gets its own ``fit``, ``train_on_batch``, ``evaluate``, ``predict``, ``get_weights``,
+``set_weights``, ``make_train_function`` (``steps_per_execution``) and the savers of ``saving.py`` (instance
+attributes bound to this model; every other model keeps Keras' methods), and a layer that holds a PS variable gets
+its own ``get_weights``/``set_weights`` when the variable is created.
 
 Under a strategy:
   * ``compile`` wraps the optimizer (``kparallax.step``); ``jit_compile=True`` is refused.
   * ``fit`` shards the training data per worker (``data``), runs inside the strategy's scope, adds the callbacks of
     ``fit_callbacks`` in front of the user's, and shows the progress bar on worker 0 only. ``validation_split``
     takes the last fraction of the full arrays.
+  * ``train_on_batch`` takes this worker's own batch (one synchronous step over all workers' batches) and, at its
+    first call and after any worker set the model's weights, broadcasts worker 0's replicated weights as ``fit``
+    does.
   * ``get_weights``/``set_weights`` present a partitioned table whole; only worker 0 writes PS variables.
   * ``evaluate`` / ``predict`` (and ``fit``'s validation) run on the full input on every worker, so their
     results are exact and identical everywhere; only worker 0 prints.
@@ -49,8 +52,8 @@ _LOCAL = threading.local()
 _STRATEGIES = weakref.WeakSet()
 _ORIGINAL_COMPILE = []
 _STATE = "_kparallax_compiled"
-_BOUND = ("fit", "evaluate", "predict", "get_weights", "set_weights", "make_train_function", "train_step", "save",
-          "save_weights", "export", "load_weights")
+_BOUND = ("fit", "train_on_batch", "evaluate", "predict", "get_weights", "set_weights", "make_train_function",
+          "train_step", "save", "save_weights", "export", "load_weights")
 
 
 @dataclasses.dataclass
@@ -60,6 +63,10 @@ class Compiled:
     step: object
     clones: object
     resume: object = None  # a ``resume.Pending`` left by ``kparallax.checkpoint.restore`` for the next ``fit``
+    # ``train_on_batch``'s ``fit_callbacks.ReplicatedWeights`` (None before its first call), and whether this
+    # worker set or loaded the model's weights since: then worker 0's replicated weights are broadcast again.
+    batch_weights: object = None
+    weights_set: bool = False
 
 
 def compiled(model):
@@ -191,7 +198,8 @@ def _compile(model, *args, **kwargs):
         _unbind(model)
         jobs = [s for s in list(_STRATEGIES) if s.num_workers > 1]
         if jobs:
-            _bind_method(model, "fit", _refuse_fit, jobs[0].num_workers)
+            for name in ("fit", "train_on_batch"):
+                _bind_method(model, name, _refuse_training, jobs[0].num_workers, name)
         return original(model, *args, **kwargs)
     bound = inspect.signature(original).bind(model, *args, **kwargs)
     bound.apply_defaults()
@@ -206,6 +214,7 @@ def _compile(model, *args, **kwargs):
     _unbind(model)
     model.__dict__[_STATE] = Compiled(strategy, step, clones)
     _bind_method(model, "fit", _fit, original_method(model, "fit"))
+    _bind_method(model, "train_on_batch", _train_on_batch, original_method(model, "train_on_batch"))
     for name in ("evaluate", "predict"):
         _bind_method(model, name, _run_quietly_on_workers, original_method(model, name))
     _bind_method(model, "get_weights", _layer_get_weights, strategy)
@@ -216,7 +225,7 @@ def _compile(model, *args, **kwargs):
     _bind_method(model, "save", saving.save_with_optimizer, original_method(model, "save"), strategy, clones)
     _bind_method(model, "save_weights", saving.save_weights, original_method(model, "save_weights"), strategy, clones)
     _bind_method(model, "export", saving.save, original_method(model, "export"), strategy)
-    _bind_method(model, "load_weights", saving.load_weights, original_method(model, "load_weights"), strategy, clones)
+    _bind_method(model, "load_weights", _load_weights, original_method(model, "load_weights"), strategy, clones)
     result = original(*bound.args, **bound.kwargs)
     if strategy.options.sync:
         summed_losses.install(model)
@@ -255,11 +264,51 @@ def _train_step(original, model, data):
     return logs_lib.over_workers(logs, model.metrics, iterations, strategy.num_workers, "kp_step_logs")
 
 
-def _refuse_fit(workers, model, *args, **kwargs):
+def _refuse_training(workers, method, model, *args, **kwargs):
     raise ValueError(
         f"Model {model.name!r} was compiled outside HybridStrategy.scope() in a job of {workers} workers: each "
-        "worker would train its own copy alone. Received: fit() of a model compiled outside the scope. Build and "
-        "compile it inside `with strategy.scope():` (evaluate and predict work either way).")
+        f"worker would train its own copy alone. Received: {method}() of a model compiled outside the scope. Build "
+        "and compile it inside `with strategy.scope():` (evaluate and predict work either way).")
+
+
+def _train_on_batch(original, model, *args, **kwargs):
+    """Keras' ``train_on_batch`` with this worker's own batch: one step of the model's training step, synchronous
+    over the workers, so the global batch is the workers' batches in rank order.
+
+    Before its first call, and before any call after some worker set or loaded the model's weights (one scalar
+    allreduce per call tells), worker 0's replicated weights are broadcast, as ``fit`` does at its start: each
+    worker may have initialized or loaded its own. A model built by that call gets its new variables broadcast after
+    it, with ``fit``'s warning."""
+    state = compiled(model)
+    strategy = state.strategy
+    _guard_tracking(strategy, model, model.optimizer)
+    stale = collectives.any_worker(state.batch_weights is None or state.weights_set, strategy.num_workers,
+                                   name="kp_weights_set")
+    if stale:
+        state.batch_weights = fit_callbacks.ReplicatedWeights(strategy, model)
+        state.batch_weights.sync()
+    state.weights_set = False
+    with strategy.scope():
+        try:
+            logs = original(model, *args, **kwargs)
+        except tf_compat.InvalidArgumentError as e:
+            raise _explained(e, model) from None
+    if stale:
+        state.batch_weights.sync_late()
+    return logs
+
+
+def _load_weights(original, strategy, clones, model, *args, **kwargs):
+    result = saving.load_weights(original, strategy, clones, model, *args, **kwargs)
+    _weights_set(model)
+    return result
+
+
+def _weights_set(model):
+    """The model's weights were set or loaded on this worker: ``train_on_batch`` broadcasts worker 0's again."""
+    state = compiled(model)
+    if state is not None:
+        state.weights_set = True
 
 
 def original_method(obj, name):
@@ -402,6 +451,7 @@ def _layer_set_weights(strategy, layer, weights):
     table_of = strategy.registry.table_of
     if any(table_of(v) for v in variables) and len(weights) == tables.whole_weight_count(variables, table_of):
         weights = tables.split_weights(variables, weights, table_of)
+    _weights_set(layer)
     if strategy.is_chief or len(weights) != len(variables):
         with _keras_weights():
             return original_method(layer, "set_weights")(layer, weights)

@@ -209,6 +209,13 @@ def allgather_text(text, name, width=256):
     return [bytes(row[1:1 + row[0]]).decode("utf-8") for row in rows]
 
 
+def any_worker(flag, num_workers, name):
+    """Whether ``flag`` (a Python bool) is true on any worker (eager; every worker must call it)."""
+    if num_workers == 1:
+        return bool(flag)
+    return bool(hvd.allreduce(tf.constant(float(bool(flag))), op=hvd.Sum, name=name).numpy() > 0)
+
+
 def eager_barrier(num_workers, name):
     """Blocks until every worker reached this point (eager)."""
     if num_workers > 1:

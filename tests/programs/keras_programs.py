@@ -11,6 +11,9 @@ import numpy as np
 import tensorflow as tf
 
 VOCAB, EMB, LEN, ROWS, WORKERS = 120, 6, 5, 128, 2
+# This process's worker index and the job's worker count (strategy.worker_index / num_workers under kparallax; the
+# runner sets them), for a program that feeds each worker its own batches.
+RANK, RUN_WORKERS = 0, 1
 
 
 def _ids(seed):
@@ -389,8 +392,34 @@ def backup_and_restore_resume(scope, batch):
     return model
 
 
+def train_on_batch_loop(scope, batch):
+    """A loop of train_on_batch calls, each worker with its own part of every global batch, from Keras' own random
+    initialization seeded differently on each worker (worker 0's seed is the one process's): worker 0's weights
+    must reach every worker before the first step, and again after worker 0 alone sets new weights. The returned
+    logs of every call are kept (the first two calls reset the metrics, the later ones do not: running values from
+    the second call on)."""
+    ids, rng = _ids(16)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    tf.keras.utils.set_random_seed(40 + RANK)
+    with scope():
+        model = tf.keras.Sequential([tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB),
+                                     tf.keras.layers.Flatten(), tf.keras.layers.Dense(4, activation="relu"),
+                                     tf.keras.layers.Dense(1)])
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.05), loss="mse", metrics=["mae"])
+    logged, step_rows = [], batch * RUN_WORKERS
+    for step in range(ROWS // step_rows):
+        if step == 2 and RANK == 0:
+            _init(model, seed=5)  # new weights set on worker 0 only: the next call broadcasts them again
+        rows = slice(step * step_rows + RANK * batch, step * step_rows + (RANK + 1) * batch)
+        logs = model.train_on_batch(ids[rows], y[rows], reset_metrics=step < 2, return_dict=True)
+        logged.append([logs["loss"], logs["mae"]])
+    model.logged = [np.array(logged)]
+    return model
+
+
 PROGRAMS = {f.__name__: f for f in (ratio_metrics, summed_losses, unreduced_loss, batch_normalization, mixed_float16,
                                     dict_inputs_auc, tf_data_unknown_cardinality, weighted_samples,
                                     mask_zero_lstm_callbacks,
                                     custom_train_step, text_vectorization, lookup_layers, shared_layer, keras_callbacks,
-                                    tf_data_known_cardinality, backup_and_restore_resume)}
+                                    tf_data_known_cardinality, backup_and_restore_resume,
+                                    train_on_batch_loop)}  # last: it seeds Keras' random generator

@@ -21,6 +21,7 @@ def main(out_dir, mode):
         import kparallax as kp  # pylint: disable=import-outside-toplevel
         strategy = kp.HybridStrategy()
         scope, batch, chief = strategy.scope, PER_WORKER_BATCH, strategy.is_chief
+        programs.RANK, programs.RUN_WORKERS = strategy.worker_index, strategy.num_workers
     programs.SHARED_DIR = out_dir
     for name, program in programs.PROGRAMS.items():
         model = program(scope, batch)

@@ -28,12 +28,14 @@ if mode == "compile_outside":
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(1)])
     model.compile(optimizer="sgd", loss="mse")  # outside strategy.scope()
-    try:
-        model.fit(np.zeros((8, 3)), np.zeros((8, 1)), verbose=0)
-    except ValueError as e:
-        print(f"refused: {e}", flush=True)
-    else:
-        sys.exit("fit of a model compiled outside the scope trained silently")
+    for train in (lambda: model.fit(np.zeros((8, 3)), np.zeros((8, 1)), verbose=0),
+                  lambda: model.train_on_batch(np.zeros((8, 3)), np.zeros((8, 1)))):
+        try:
+            train()
+        except ValueError as e:
+            print(f"refused: {e}", flush=True)
+        else:
+            sys.exit("training a model compiled outside the scope went on silently")
 if mode == "custom_loop":
     import numpy as np  # pylint: disable=import-outside-toplevel
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
