@@ -29,6 +29,16 @@ def test_dataset_shards_whole_batches_and_equal_steps():
     assert [int(b[0]) for b in shards[1]] == [1, 3, 5]
 
 
+def test_batches_may_differ_in_size_only_for_datasets_without_a_fixed_batch_dimension():
+    rows = {"ids": np.zeros((10, 3), np.int32), "w": np.ones(10, np.float32)}
+    assert not data.may_be_uneven(rows)  # sharded arrays: equal batches on every worker
+    assert data.may_be_uneven(tf.data.Dataset.from_tensor_slices(rows).batch(4))  # a last, partial batch
+    assert not data.may_be_uneven(tf.data.Dataset.from_tensor_slices(rows).batch(4, drop_remainder=True))
+    mixed = tf.data.Dataset.zip((tf.data.Dataset.from_tensor_slices(rows).batch(4, drop_remainder=True),
+                                 tf.data.Dataset.range(10).batch(4)))
+    assert data.may_be_uneven(mixed)
+
+
 def test_dataset_of_unknown_length_needs_steps():
     ds = tf.data.Dataset.range(8).filter(lambda v: v > 2).batch(2)
     with pytest.raises(ValueError, match="Pass steps_per_epoch"):

@@ -8,12 +8,14 @@
 - An optimizer reads its learning rate from the private ``_learning_rate`` (2.11+) or its ``learning_rate``
   hyper-parameter (legacy) when an update is built: PS-side clones share the worker's variable there, and the
   synchronous PS path puts a tensor read once per step in its place (``learning_rate_value``).
+- Compiled losses are scaled through the private ``LossesContainer._losses`` list (``scale_compiled_losses``).
 - ``fit`` starts inside an epoch only through the private ``model._training_state`` hook that ``BackupAndRestore``
   uses (``set_initial_counters``; read by ``Model._maybe_load_initial_counters_from_ckpt`` in 2.11-2.15).
 """
 
 import contextlib
 import sys
+import typing
 
 import tensorflow as tf
 
@@ -327,42 +329,80 @@ def replace_weights(model, old_shards, old_sharded, new_shards, new_sharded):
                 setattr(layer, name, new_sharded)
 
 
-class _ScaledSumLoss:
-    """A compiled loss reduced by ``SUM`` or ``NONE``, scaled by ``factor()`` (None or 1: unchanged).
+class LossScales(typing.NamedTuple):
+    """The scales of ``scale_compiled_losses`` in one traced step: ``summed`` for ``SUM`` / ``NONE`` losses (the
+    worker count), ``averaged`` for losses averaged over the batch (a float32 scalar tensor, or None: unscaled)."""
+    summed: int
+    averaged: object = None
 
-    ``SUM``: the value and its gradient are multiplied. ``NONE`` (Keras logs the mean of the per-example values and
-    differentiates their sum): only the gradient is. Every other attribute is the wrapped loss's.
+
+_SUMMED = (tf.keras.losses.Reduction.SUM, tf.keras.losses.Reduction.NONE)
+_AVERAGED = (tf.keras.losses.Reduction.AUTO, tf.keras.losses.Reduction.SUM_OVER_BATCH_SIZE)
+
+
+class _ScaledLoss:
+    """A compiled loss scaled by ``scales()`` (a ``LossScales``, or None: unchanged).
+
+    Averaged losses: only the gradient, by ``averaged`` (Keras' loss metric already weights the logged value by the
+    batch's rows). ``NONE`` (Keras logs the mean of the per-example values and differentiates their sum): only the
+    gradient, by ``summed``. ``SUM``: the gradient by ``summed``, and so the value, except when ``averaged`` is
+    given: then the value is multiplied by ``summed / averaged``, which Keras' loss metric, weighting it by the
+    batch's rows, turns into the sum over the global batch. Every other attribute is the wrapped loss's.
     """
 
-    def __init__(self, loss, factor):
-        self._loss, self._factor = loss, factor
+    def __init__(self, loss, scales):
+        self._loss, self._scales = loss, scales
 
     def __getattr__(self, name):
         return getattr(self._loss, name)
 
     def __call__(self, y_true, y_pred, sample_weight=None):
         value = self._loss(y_true, y_pred, sample_weight=sample_weight)
-        factor = self._factor()
-        if not factor or factor == 1:
+        scales = self._scales()
+        if scales is None:
             return value
-        if self._loss.reduction == tf.keras.losses.Reduction.SUM:
-            return value * tf.cast(factor, value.dtype)
-        return value + tf.cast(factor - 1, value.dtype) * (value - tf.stop_gradient(value))
+        if self._loss.reduction in _AVERAGED:
+            return value if scales.averaged is None else _gradient_scaled(value, scales.averaged)
+        if scales.summed == 1:
+            return value
+        workers = tf.cast(scales.summed, value.dtype)
+        if self._loss.reduction == tf.keras.losses.Reduction.NONE:
+            return _gradient_scaled(value, workers)
+        if scales.averaged is None:
+            return value * workers
+        shown = workers / tf.cast(scales.averaged, value.dtype)
+        return value * workers + tf.stop_gradient(value * (shown - workers))
 
 
-def scale_summed_losses(model, factor):
-    """Wraps the ``SUM`` / ``NONE`` losses of ``model.compiled_loss`` (a private ``LossesContainer``: its flat
-    ``_losses`` list exists once ``build`` ran, at the first call) in ``_ScaledSumLoss(loss, factor)``."""
+def _gradient_scaled(value, factor):
+    """``value``, with its gradient multiplied by ``factor``."""
+    factor = tf.cast(factor, value.dtype)
+    return value + (factor - 1) * (value - tf.stop_gradient(value))
+
+
+def scale_compiled_losses(model, scales):
+    """Wraps the losses of ``model.compiled_loss`` (a private ``LossesContainer``: its flat ``_losses`` list exists
+    once ``build`` ran, at the first call) in ``_ScaledLoss(loss, scales)``."""
     container = getattr(model, "compiled_loss", None)
     if container is None:
         return
     build = type(container).build
-    summed = (tf.keras.losses.Reduction.SUM, tf.keras.losses.Reduction.NONE)
 
     def scaled_build(y_pred):
         build(container, y_pred)
         container._losses = [  # pylint: disable=protected-access
-            _ScaledSumLoss(loss, factor) if getattr(loss, "reduction", None) in summed else loss
+            _ScaledLoss(loss, scales) if getattr(loss, "reduction", None) in _SUMMED + _AVERAGED else loss
             for loss in container._losses]  # pylint: disable=protected-access
 
     container.build = scaled_build
+
+
+def batch_rows(data):
+    """The number of rows of a training step's batch ``data`` (Keras' ``(x, y, sample_weight)``): the first
+    dimension of its first tensor (an int64 scalar tensor)."""
+    first = tf.nest.flatten(data)[0]  # composites stay whole
+    if isinstance(first, tf.SparseTensor):
+        return first.dense_shape[0]
+    if isinstance(first, tf.RaggedTensor):
+        return first.nrows(out_type=tf.int64)
+    return tf.shape(first, out_type=tf.int64)[0]

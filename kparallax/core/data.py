@@ -54,6 +54,16 @@ def shard_dataset(dataset, num_workers, index, steps_per_epoch=None):
     return dataset.shard(num_workers, index)
 
 
+def may_be_uneven(x):
+    """Whether the workers' batches of training input ``x`` may differ in size: a dataset whose batch dimension is
+    not fixed (a last, partial batch; ``drop_remainder=True`` fixes it). Sharded arrays give every worker batches of
+    the same sizes."""
+    if not is_dataset(x):
+        return False
+    shapes = [spec.shape for spec in tf.nest.flatten(x.element_spec) if hasattr(spec, "shape")]
+    return any(shape.rank is None or (shape.rank > 0 and shape[0] is None) for shape in shapes)
+
+
 def is_dataset(x):
     return isinstance(x, tf.data.Dataset)
 

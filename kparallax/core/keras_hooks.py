@@ -46,7 +46,7 @@ from kparallax.core import tables
 from kparallax.step import batch_norm
 from kparallax.step import collectives
 from kparallax.step import logs as logs_lib
-from kparallax.step import summed_losses
+from kparallax.step import global_losses
 
 _LOCAL = threading.local()
 _STRATEGIES = weakref.WeakSet()
@@ -67,6 +67,9 @@ class Compiled:
     # worker set or loaded the model's weights since: then worker 0's replicated weights are broadcast again.
     batch_weights: object = None
     weights_set: bool = False
+    # Whether the workers' batches may differ in size (a dataset without a fixed batch dimension, train_on_batch):
+    # then the traced step weights each worker's averaged losses by its share of the global batch.
+    uneven_batches: bool = False
 
 
 def compiled(model):
@@ -228,7 +231,7 @@ def _compile(model, *args, **kwargs):
     _bind_method(model, "load_weights", _load_weights, original_method(model, "load_weights"), strategy, clones)
     result = original(*bound.args, **bound.kwargs)
     if strategy.options.sync:
-        summed_losses.install(model)
+        global_losses.install(model)
     return result
 
 
@@ -253,13 +256,16 @@ def _train_step(original, model, data):
     """The model's own ``train_step`` (Keras' or the user's), its logs taken over all workers in the step
     (``step/logs.py``: Keras' metrics from their summed states, other scalars averaged; synchronous training only: it
     is a collective). With several workers, its BatchNormalization layers take their statistics over all workers'
-    batches (``step/batch_norm.py``) and its compiled losses that sum over the batch count every worker's part
-    (``step/summed_losses.py``)."""
-    strategy = compiled(model).strategy
+    batches (``step/batch_norm.py``) and its compiled losses count every worker's part as one process does
+    (``step/global_losses.py``: losses summed over the batch, and averaged ones when batches may differ in size)."""
+    state = compiled(model)
+    strategy = state.strategy
     iterations = model.optimizer.iterations.read_value()  # before this step's update (program order)
     statistics = (batch_norm.global_statistics(strategy.num_workers, strategy.options.sync_batch_norm)
                   if strategy.num_workers > 1 else contextlib.nullcontext())
-    with statistics, summed_losses.workers(strategy.num_workers):
+    share = (global_losses.batch_share(data, strategy.num_workers)
+             if state.uneven_batches and strategy.num_workers > 1 else None)
+    with statistics, global_losses.workers(strategy.num_workers, share):
         logs = original(model, data)
     return logs_lib.over_workers(logs, model.metrics, iterations, strategy.num_workers, "kp_step_logs")
 
@@ -288,6 +294,7 @@ def _train_on_batch(original, model, *args, **kwargs):
         state.batch_weights = fit_callbacks.ReplicatedWeights(strategy, model)
         state.batch_weights.sync()
     state.weights_set = False
+    _expect_uneven_batches(model, True)
     with strategy.scope():
         try:
             logs = original(model, *args, **kwargs)
@@ -296,6 +303,14 @@ def _train_on_batch(original, model, *args, **kwargs):
     if stale:
         state.batch_weights.sync_late()
     return logs
+
+
+def _expect_uneven_batches(model, uneven):
+    """Traces the training step again if whether the workers' batches may differ in size changed."""
+    state = compiled(model)
+    if state.uneven_batches != uneven:
+        state.uneven_batches = uneven
+        model.train_function = None
 
 
 def _load_weights(original, strategy, clones, model, *args, **kwargs):
@@ -332,6 +347,7 @@ def _fit(original, model, *args, **kwargs):
     a = bound.arguments
     n, index = strategy.num_workers, strategy.worker_index
     data_lib.check_supported(a["x"])
+    _expect_uneven_batches(model, data_lib.may_be_uneven(a["x"]))
     if data_lib.is_per_worker(a["x"]):
         _check_same_steps(strategy, data_lib.local_steps(a["x"], a["steps_per_epoch"]))
     elif data_lib.is_dataset(a["x"]):

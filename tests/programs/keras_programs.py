@@ -392,12 +392,35 @@ def backup_and_restore_resume(scope, batch):
     return model
 
 
+def partial_last_batch(scope, batch):
+    """A batched dataset (no drop_remainder) whose last batch is partial: 118 rows, so the last step's batches are
+    16 and 6 rows on the workers, 22 in one process. Two outputs, one loss averaged over the batch and one summed,
+    and a regularized table; the epoch losses are kept."""
+    ids, rng = _ids(17)
+    features = rng.normal(size=(ROWS, 3)).astype(np.float32)
+    y = [rng.normal(size=(ROWS, 1)).astype(np.float32) for _ in range(2)]
+    rows = ROWS - 10
+    with scope():
+        inputs = [tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.Input((3,))]
+        x = tf.keras.layers.Flatten()(tf.keras.layers.Embedding(
+            VOCAB, EMB, embeddings_regularizer=tf.keras.regularizers.l2(1e-3))(inputs[0]))
+        x = tf.keras.layers.Concatenate()([x, tf.keras.layers.Dense(4, activation="relu")(inputs[1])])
+        model = tf.keras.Model(inputs, [tf.keras.layers.Dense(1)(x), tf.keras.layers.Dense(1)(x)])
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.05),
+                      loss=["mse", tf.keras.losses.MeanSquaredError(reduction="sum")], loss_weights=[1.0, 0.02])
+        data = tf.data.Dataset.from_tensor_slices(((ids[:rows], features[:rows]), (y[0][:rows], y[1][:rows])))
+        history = model.fit(data.batch(batch), epochs=2, verbose=0)
+    model.logged = [np.array(history.history["loss"])]
+    return model
+
+
 def train_on_batch_loop(scope, batch):
     """A loop of train_on_batch calls, each worker with its own part of every global batch, from Keras' own random
     initialization seeded differently on each worker (worker 0's seed is the one process's): worker 0's weights
-    must reach every worker before the first step, and again after worker 0 alone sets new weights. The returned
-    logs of every call are kept (the first two calls reset the metrics, the later ones do not: running values from
-    the second call on)."""
+    must reach every worker before the first step, and again after worker 0 alone sets new weights. The last call's
+    batches differ in size (10 and 22 rows). The returned logs of every call are kept (the first two calls reset the
+    metrics, the later ones do not: running values from the second call on)."""
     ids, rng = _ids(16)
     y = rng.normal(size=(ROWS, 1)).astype(np.float32)
     tf.keras.utils.set_random_seed(40 + RANK)
@@ -406,11 +429,13 @@ def train_on_batch_loop(scope, batch):
                                      tf.keras.layers.Flatten(), tf.keras.layers.Dense(4, activation="relu"),
                                      tf.keras.layers.Dense(1)])
         model.compile(optimizer=tf.keras.optimizers.Adam(0.05), loss="mse", metrics=["mae"])
-    logged, step_rows = [], batch * RUN_WORKERS
-    for step in range(ROWS // step_rows):
+    logged, step_rows, steps = [], batch * RUN_WORKERS, ROWS // (batch * RUN_WORKERS)
+    for step in range(steps):
         if step == 2 and RANK == 0:
             _init(model, seed=5)  # new weights set on worker 0 only: the next call broadcasts them again
-        rows = slice(step * step_rows + RANK * batch, step * step_rows + (RANK + 1) * batch)
+        # Each worker's part of the global batch; in the last step, 10 rows on worker 0 and the rest on worker 1.
+        cuts = [0, 10, step_rows] if step == steps - 1 and RUN_WORKERS == 2 else [0, batch, 2 * batch]
+        rows = slice(step * step_rows + cuts[RANK], step * step_rows + cuts[RANK + 1])
         logs = model.train_on_batch(ids[rows], y[rows], reset_metrics=step < 2, return_dict=True)
         logged.append([logs["loss"], logs["mae"]])
     model.logged = [np.array(logged)]
@@ -421,5 +446,5 @@ PROGRAMS = {f.__name__: f for f in (ratio_metrics, summed_losses, unreduced_loss
                                     dict_inputs_auc, tf_data_unknown_cardinality, weighted_samples,
                                     mask_zero_lstm_callbacks,
                                     custom_train_step, text_vectorization, lookup_layers, shared_layer, keras_callbacks,
-                                    tf_data_known_cardinality, backup_and_restore_resume,
+                                    tf_data_known_cardinality, backup_and_restore_resume, partial_last_batch,
                                     train_on_batch_loop)}  # last: it seeds Keras' random generator
