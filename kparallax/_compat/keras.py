@@ -330,10 +330,15 @@ def replace_weights(model, old_shards, old_sharded, new_shards, new_sharded):
 
 
 class LossScales(typing.NamedTuple):
-    """The scales of ``scale_compiled_losses`` in one traced step: ``summed`` for ``SUM`` / ``NONE`` losses (the
-    worker count), ``averaged`` for losses averaged over the batch (a float32 scalar tensor, or None: unscaled)."""
-    summed: int
-    averaged: object = None
+    """What ``scale_compiled_losses`` scales by in one traced step.
+
+    ``workers``: the worker count. ``rows_share``: this worker's rows over the mean rows per worker (a float32
+    scalar tensor), or None when every worker's batch has the same rows. ``over_workers``: a function giving the sum
+    of a float32 scalar over the workers (a collective), for the valid counts of masked losses.
+    """
+    workers: int
+    rows_share: object
+    over_workers: typing.Callable
 
 
 _SUMMED = (tf.keras.losses.Reduction.SUM, tf.keras.losses.Reduction.NONE)
@@ -341,13 +346,15 @@ _AVERAGED = (tf.keras.losses.Reduction.AUTO, tf.keras.losses.Reduction.SUM_OVER_
 
 
 class _ScaledLoss:
-    """A compiled loss scaled by ``scales()`` (a ``LossScales``, or None: unchanged).
+    """A compiled loss scaled by ``scales()`` (a ``LossScales``; None: unchanged) so that the workers' average
+    gradient, and the logged value Keras' loss metric weights by the batch's rows, are one process's.
 
-    Averaged losses: only the gradient, by ``averaged`` (Keras' loss metric already weights the logged value by the
-    batch's rows). ``NONE`` (Keras logs the mean of the per-example values and differentiates their sum): only the
-    gradient, by ``summed``. ``SUM``: the gradient by ``summed``, and so the value, except when ``averaged`` is
-    given: then the value is multiplied by ``summed / averaged``, which Keras' loss metric, weighting it by the
-    batch's rows, turns into the sum over the global batch. Every other attribute is the wrapped loss's.
+    ``SUM``: value and gradient times ``workers``; with ``rows_share``, the value times ``workers / rows_share``
+    instead. ``NONE`` (Keras logs the mean of the per-example values and differentiates their sum): the gradient
+    times ``workers``. Averaged losses (Keras divides by the element count, or under a mask by the valid count):
+    the gradient times this worker's share of the global denominator (``rows_share`` without a mask; ``workers *
+    valid / valid over all workers`` with one), and the value so that the rows-weighted mean is the global batch's.
+    Every other attribute is the wrapped loss's.
     """
 
     def __init__(self, loss, scales):
@@ -359,25 +366,44 @@ class _ScaledLoss:
     def __call__(self, y_true, y_pred, sample_weight=None):
         value = self._loss(y_true, y_pred, sample_weight=sample_weight)
         scales = self._scales()
-        if scales is None:
+        if scales is None or scales.workers == 1:
             return value
-        if self._loss.reduction in _AVERAGED:
-            return value if scales.averaged is None else _gradient_scaled(value, scales.averaged)
-        if scales.summed == 1:
-            return value
-        workers = tf.cast(scales.summed, value.dtype)
+        workers = tf.cast(scales.workers, value.dtype)
+        rows_share = None if scales.rows_share is None else tf.cast(scales.rows_share, value.dtype)
         if self._loss.reduction == tf.keras.losses.Reduction.NONE:
-            return _gradient_scaled(value, workers)
-        if scales.averaged is None:
-            return value * workers
-        shown = workers / tf.cast(scales.averaged, value.dtype)
-        return value * workers + tf.stop_gradient(value * (shown - workers))
+            return _scaled(value, 1.0, workers)
+        if self._loss.reduction == tf.keras.losses.Reduction.SUM:
+            return value * workers if rows_share is None else _scaled(value, workers / rows_share, workers)
+        valid = _valid_count(self._loss, y_true, y_pred)
+        if valid is None:
+            return value if rows_share is None else _scaled(value, 1.0, rows_share)
+        valid = tf.cast(valid, tf.float32)
+        gradient = tf.cast(scales.workers * valid / scales.over_workers(valid), value.dtype)
+        return _scaled(value, gradient if rows_share is None else gradient / rows_share, gradient)
 
 
-def _gradient_scaled(value, factor):
-    """``value``, with its gradient multiplied by ``factor``."""
-    factor = tf.cast(factor, value.dtype)
-    return value + (factor - 1) * (value - tf.stop_gradient(value))
+def _scaled(value, shown, gradient):
+    """``value`` times ``shown``, with its gradient times ``gradient``."""
+    return value * shown + (gradient - shown) * (value - tf.stop_gradient(value))
+
+
+def _valid_count(loss, y_true, y_pred):
+    """The count Keras 2.15's ``Loss.__call__`` divides an averaged loss by when a mask applies (``y_pred``'s
+    Keras mask, and a sparse cross-entropy's ``ignore_class``); None when none does (it divides by the element
+    count)."""
+    masks = []
+    if getattr(y_pred, "_keras_mask", None) is not None:
+        masks.append(tf.cast(y_pred._keras_mask, tf.bool))  # pylint: disable=protected-access
+    ignore_class = (getattr(loss, "_fn_kwargs", None) or {}).get("ignore_class")
+    if ignore_class is not None:
+        valid = tf.not_equal(tf.cast(y_true, tf.int64), ignore_class)
+        if masks and valid.shape.rank == masks[0].shape.rank + 1:
+            valid = tf.squeeze(valid, axis=-1)
+        masks.append(valid)
+    if not masks:
+        return None
+    mask = masks[0] if len(masks) == 1 else tf.logical_and(masks[0], masks[1])
+    return tf.reduce_sum(tf.cast(mask, tf.float32))
 
 
 def scale_compiled_losses(model, scales):

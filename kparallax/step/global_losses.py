@@ -1,8 +1,8 @@
 """Compiled losses scaled so that the workers' average gradient is one process's on the global batch.
 
 The step averages gradients over the workers. That is one process's gradient for a loss averaged over the batch
-(Keras' default) when every worker's batch has the same size, and for regularization losses always. Two cases need
-more, and get it while kparallax's synchronous step is traced (``workers``):
+(Keras' default) when every worker's batch has the same size and no mask applies, and for regularization losses
+always. Three cases need more, and get it while kparallax's synchronous step is traced (``workers``):
 
 * Losses that sum over the batch (``reduction="sum"`` or ``"none"``): one process differentiates (and, for
   ``"sum"``, logs) the sum over its whole batch, each worker sums over its own part, and the average would divide
@@ -14,6 +14,10 @@ more, and get it while kparallax's synchronous step is traced (``workers``):
   would weight each worker's mean alike. Such a term's gradient is multiplied by the worker's share of the global
   batch, ``num_workers * rows / rows over all workers`` (one scalar allreduce per step); its logged value is left
   alone, since Keras' loss metric already weights each batch by its rows.
+* Losses averaged under a mask (a ``mask_zero`` sequence, a sparse cross-entropy's ``ignore_class``): Keras divides
+  by the count of valid elements, which differs from worker to worker even when the batches do not. The gradient
+  is multiplied by ``num_workers * valid / valid over all workers`` (one scalar allreduce per such loss and step),
+  and the logged value so that Keras' rows-weighted mean is the global batch's.
 """
 
 import contextlib
@@ -40,11 +44,14 @@ def batch_share(data, num_workers):
 
 
 @contextlib.contextmanager
-def workers(num_workers, share=None):
-    """While one training step is traced: summed losses count ``num_workers`` workers, and losses averaged over the
-    batch have their gradient weighted by ``share`` (``batch_share``) when it is given."""
+def workers(num_workers, rows_share=None):
+    """While one training step is traced: summed losses count ``num_workers`` workers, and averaged ones weight
+    this worker's part by its share of the global batch (``rows_share`` from ``batch_share``, when batches may differ
+    in size; the valid count, when a mask applies)."""
     previous = getattr(_ACTIVE, "scales", None)
-    _ACTIVE.scales = keras_compat.LossScales(summed=num_workers, averaged=share)
+    _ACTIVE.scales = keras_compat.LossScales(
+        num_workers, rows_share,
+        lambda count: collectives.sum_over_workers(count, num_workers, name="kp_valid_count"))
     try:
         yield
     finally:

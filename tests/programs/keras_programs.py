@@ -415,6 +415,31 @@ def partial_last_batch(scope, batch):
     return model
 
 
+def masked_sequence_losses(scope, batch):
+    """Sequence tagging: a mask_zero Embedding, an LSTM over the sequence and two per-step outputs, one with a
+    plain sparse cross-entropy and one with ``ignore_class=0``. Keras averages each over the valid (unmasked, not
+    ignored) steps, whose count differs from worker to worker; the epoch losses and accuracies are kept."""
+    rng = np.random.default_rng(18)
+    lengths = rng.integers(1, LEN + 1, size=ROWS)
+    ids = np.zeros((ROWS, LEN), np.int32)
+    for row, length in enumerate(lengths):
+        ids[row, :length] = rng.integers(1, VOCAB, size=length)
+    tags = [rng.integers(0, 4, size=(ROWS, LEN)).astype(np.int32) for _ in range(2)]
+    with scope():
+        inputs = tf.keras.Input((LEN,), dtype=tf.int32)
+        embedded = tf.keras.layers.Embedding(VOCAB, EMB, mask_zero=True)(inputs)
+        x = tf.keras.layers.LSTM(6, return_sequences=True)(embedded)
+        model = tf.keras.Model(inputs, [tf.keras.layers.Dense(4)(x), tf.keras.layers.Dense(4)(x)])
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.5),
+                      loss=[tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                            tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0)],
+                      metrics=["accuracy"])
+        history = model.fit(ids, tags, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+    model.logged = [np.array([history.history[key] for key in sorted(history.history)])]
+    return model
+
+
 def train_on_batch_loop(scope, batch):
     """A loop of train_on_batch calls, each worker with its own part of every global batch, from Keras' own random
     initialization seeded differently on each worker (worker 0's seed is the one process's): worker 0's weights
@@ -447,4 +472,5 @@ PROGRAMS = {f.__name__: f for f in (ratio_metrics, summed_losses, unreduced_loss
                                     mask_zero_lstm_callbacks,
                                     custom_train_step, text_vectorization, lookup_layers, shared_layer, keras_callbacks,
                                     tf_data_known_cardinality, backup_and_restore_resume, partial_last_batch,
+                                    masked_sequence_losses,
                                     train_on_batch_loop)}  # last: it seeds Keras' random generator
