@@ -65,7 +65,7 @@ class Compiled:
     resume: object = None  # a ``resume.Pending`` left by ``kparallax.checkpoint.restore`` for the next ``fit``
     # ``train_on_batch``'s ``fit_callbacks.ReplicatedWeights`` (None before its first call), and whether this
     # worker set or loaded the model's weights since: then worker 0's replicated weights are broadcast again.
-    batch_weights: object = None
+    on_batch_sync: object = None
     weights_set: bool = False
     # Whether the workers' batches may differ in size (a dataset without a fixed batch dimension, train_on_batch):
     # then the traced step weights each worker's averaged losses by its share of the global batch.
@@ -257,7 +257,8 @@ def _train_step(original, model, data):
     (``step/logs.py``: Keras' metrics from their summed states, other scalars averaged; synchronous training only: it
     is a collective). With several workers, its BatchNormalization layers take their statistics over all workers'
     batches (``step/batch_norm.py``) and its compiled losses count every worker's part as one process does
-    (``step/global_losses.py``: losses summed over the batch, and averaged ones when batches may differ in size)."""
+    (``step/global_losses.py``: losses summed over the batch, and averaged ones when batches may differ in size or
+    a mask applies)."""
     state = compiled(model)
     strategy = state.strategy
     iterations = model.optimizer.iterations.read_value()  # before this step's update (program order)
@@ -284,15 +285,16 @@ def _train_on_batch(original, model, *args, **kwargs):
     Before its first call, and before any call after some worker set or loaded the model's weights (one scalar
     allreduce per call tells), worker 0's replicated weights are broadcast, as ``fit`` does at its start: each
     worker may have initialized or loaded its own. A model built by that call gets its new variables broadcast after
-    it, with ``fit``'s warning."""
+    it, with ``fit``'s warning. The workers' batches may differ in size: the step weights each worker's averaged
+    losses by its rows (``step/global_losses.py``)."""
     state = compiled(model)
     strategy = state.strategy
     _guard_tracking(strategy, model, model.optimizer)
-    stale = collectives.any_worker(state.batch_weights is None or state.weights_set, strategy.num_workers,
+    stale = collectives.any_worker(state.on_batch_sync is None or state.weights_set, strategy.num_workers,
                                    name="kp_weights_set")
     if stale:
-        state.batch_weights = fit_callbacks.ReplicatedWeights(strategy, model)
-        state.batch_weights.sync()
+        state.on_batch_sync = fit_callbacks.ReplicatedWeights(strategy, model)
+        state.on_batch_sync.sync()
     state.weights_set = False
     _expect_uneven_batches(model, True)
     with strategy.scope():
@@ -301,7 +303,7 @@ def _train_on_batch(original, model, *args, **kwargs):
         except tf_compat.InvalidArgumentError as e:
             raise _explained(e, model) from None
     if stale:
-        state.batch_weights.sync_late()
+        state.on_batch_sync.sync_late()
     return logs
 
 
