@@ -63,10 +63,9 @@ class Compiled:
     step: object
     clones: object
     resume: object = None  # a ``resume.Pending`` left by ``kparallax.checkpoint.restore`` for the next ``fit``
-    # ``train_on_batch``'s ``fit_callbacks.ReplicatedWeights`` (None before its first call), and whether this
-    # worker set or loaded the model's weights since: then worker 0's replicated weights are broadcast again.
+    # ``train_on_batch``'s ``fit_callbacks.ReplicatedWeights``: None before its first call and after this worker set
+    # or loaded the model's weights (then worker 0's replicated weights are broadcast again).
     on_batch_sync: object = None
-    weights_set: bool = False
     # Whether the workers' batches may differ in size (a dataset without a fixed batch dimension, train_on_batch):
     # then the traced step weights each worker's averaged losses by its share of the global batch.
     uneven_batches: bool = False
@@ -290,12 +289,10 @@ def _train_on_batch(original, model, *args, **kwargs):
     state = compiled(model)
     strategy = state.strategy
     _guard_tracking(strategy, model, model.optimizer)
-    stale = collectives.any_worker(state.on_batch_sync is None or state.weights_set, strategy.num_workers,
-                                   name="kp_weights_set")
+    stale = collectives.any_worker(state.on_batch_sync is None, strategy.num_workers, name="kp_weights_set")
     if stale:
         state.on_batch_sync = fit_callbacks.ReplicatedWeights(strategy, model)
         state.on_batch_sync.sync()
-    state.weights_set = False
     _expect_uneven_batches(model, True)
     with strategy.scope():
         try:
@@ -325,7 +322,7 @@ def _weights_set(model):
     """The model's weights were set or loaded on this worker: ``train_on_batch`` broadcasts worker 0's again."""
     state = compiled(model)
     if state is not None:
-        state.weights_set = True
+        state.on_batch_sync = None
 
 
 def original_method(obj, name):

@@ -211,9 +211,7 @@ def allgather_text(text, name, width=256):
 
 def any_worker(flag, num_workers, name):
     """Whether ``flag`` (a Python bool) is true on any worker (eager; every worker must call it)."""
-    if num_workers == 1:
-        return bool(flag)
-    return bool(hvd.allreduce(tf.constant(float(bool(flag))), op=hvd.Sum, name=name).numpy() > 0)
+    return bool(sum_over_workers(tf.constant(float(bool(flag))), num_workers, name).numpy() > 0)
 
 
 def eager_barrier(num_workers, name):
