@@ -159,16 +159,17 @@ def main(argv):
             start = kp.checkpoint.restore(strategy, model, latest, continue_fit=True)["step"]
             if strategy.is_chief:
                 print(f"resumed from {latest} (step {start} of {total_steps})", flush=True)
-        dataset = kp.data.per_worker(dataset.skip(start).prefetch(2))  # the data order continues where it stopped
-        history = model.fit(dataset, epochs=epochs, initial_epoch=start // steps_per_epoch,
-                            steps_per_epoch=steps_per_epoch, callbacks=callbacks, verbose=0)
-    if saver.bad_loss_step is not None:
-        raise ValueError(f"the loss became NaN/Inf at step {saver.bad_loss_step}; the last good checkpoint in "
-                         f"{FLAGS.model_dir} is kept. Lower --learning_rate or check the data.")
-    if not history.history:  # resumed at the end: nothing left to train
-        history.history = {"loss": [float("nan")], "perplexity": [float("nan")]}
-    summary = {"final_loss": float(history.history["loss"][-1]),
-               "train_perplexity_sampled": float(history.history["perplexity"][-1]), "steps": total_steps}
+        if start >= total_steps:
+            summary = _finished_run_summary(start, total_steps, strategy.is_chief)
+        else:
+            dataset = kp.data.per_worker(dataset.skip(start).prefetch(2))  # the data order continues where it stopped
+            history = model.fit(dataset, epochs=epochs, initial_epoch=start // steps_per_epoch,
+                                steps_per_epoch=steps_per_epoch, callbacks=callbacks, verbose=0)
+            if saver.bad_loss_step is not None:
+                raise ValueError(f"the loss became NaN/Inf at step {saver.bad_loss_step}; the last good checkpoint "
+                                 f"in {FLAGS.model_dir} is kept. Lower --learning_rate or check the data.")
+            summary = {"final_loss": float(history.history["loss"][-1]),
+                       "train_perplexity_sampled": float(history.history["perplexity"][-1]), "steps": total_steps}
     if heldout is not None:
         result = model.evaluate(heldout[0], heldout[1], batch_size=config.batch_size, verbose=0, return_dict=True)
         summary["heldout_loss"], summary["heldout_perplexity"] = float(result["loss"]), float(result["perplexity"])
@@ -176,6 +177,25 @@ def main(argv):
         _write_json(os.path.join(FLAGS.model_dir, "result.json"), summary)
         print("result: " + " ".join(f"{k}={v:.4f}" for k, v in summary.items()), flush=True)
     del np
+
+
+def _finished_run_summary(start, total_steps, is_chief):
+    """The training figures of a run whose checkpoint is already at its last step: nothing is trained again.
+
+    They are the finished run's own, from its ``result.json``; without that file (the run stopped after its last
+    checkpoint and before writing it) there are none, and only the held-out figures are computed again.
+    """
+    path = os.path.join(FLAGS.model_dir, "result.json")
+    previous = {}
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            previous = json.load(f)
+    if is_chief:
+        print(f"nothing to train: the checkpoint in {FLAGS.model_dir} is at step {start} of {total_steps}; "
+              f"pass a larger --train_steps or --epochs to train on, or a new --model_dir to start again", flush=True)
+    summary = {k: previous[k] for k in ("final_loss", "train_perplexity_sampled") if k in previous}
+    summary["steps"] = total_steps
+    return summary
 
 
 def run(argv):

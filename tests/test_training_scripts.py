@@ -58,6 +58,19 @@ def test_lm1b_script_two_workers_on_the_offline_corpus(corpus, tmp_path):
     assert scalars["learning_rate"][-1] == pytest.approx(0.2)
     assert "placement: lm1b/softmax_w/embeddings [" in out and "-> ps[0]" in out
 
+    # The same command again: the checkpoint is at the last step, so nothing is trained, and the result keeps the
+    # finished run's training figures (they were NaN before) with the held-out ones of the same weights.
+    again = testing.run_local([sys.executable, LM1B, "--config=lm1b_tiny", f"--data_dir={corpus}",
+                               f"--model_dir={model_dir}", "--train_steps=40", "--log_every=10", "--warmup_steps=5"],
+                              log_dir=str(tmp_path / "logs_again"), workers=2, ps=1, timeout=300)
+    assert again.returncode == 0, again.report()
+    out = again.logs()["worker-0.log"]
+    assert "nothing to train: the checkpoint in" in out and "at step 40 of 40" in out, out[-2000:]
+    assert "step 41" not in out
+    repeated = json.loads((model_dir / "result.json").read_text())
+    assert math.isfinite(repeated["final_loss"]) and repeated["final_loss"] == result["final_loss"]
+    assert repeated["heldout_perplexity"] == pytest.approx(result["heldout_perplexity"], rel=1e-4)
+
 
 @pytest.mark.multiprocess
 def test_lm1b_script_as_one_plain_process_with_synthetic_data(tmp_path):
