@@ -15,8 +15,9 @@ In training, a ``BatchNormalization`` layer gets its batch statistics in one of 
 ``hook(statistics)`` wraps both once, process-wide. ``statistics(layer)`` returns ``None`` (Keras runs unchanged) or
 a ``Global``: ``moments(x, weights, reduction_axes) -> (mean, variance, count)`` over all workers (``weights``:
 Keras' mask as 0 / 1 per position, or None; reduced axes kept) for the unfused path, and ``sum(tensor)`` (the sum
-over all workers) for the fused one, which is replaced by ``_fused_global``: the fused kernels per worker and two
-per-channel sums over the workers, with the kernel's moving averages.
+over all workers) and ``gradient_sum(tensor)`` (the same for gradient sums, which the step may weight per worker)
+for the fused one, which is replaced by ``_fused_global``: the fused kernels per worker and two per-channel sums over
+the workers, with the kernel's moving averages.
 """
 
 import dataclasses
@@ -35,6 +36,7 @@ class Global:
     """How one layer's statistics span the workers (see the module docstring)."""
     moments: Callable
     sum: Callable
+    gradient_sum: Callable
 
 
 def _base_class():
@@ -80,7 +82,7 @@ def hook(statistics):
                 "only when the step runs; its statistics over all workers need a collective that every worker must "
                 "run. Received: training=<a symbolic tensor>. Pass a Python bool (Keras' fit and train_step do).")
         if self._data_format in _CHANNELS_LAST:  # pylint: disable=protected-access
-            return _fused_global(self, inputs, spanning.sum)
+            return _fused_global(self, inputs, spanning.sum, spanning.gradient_sum)
         return _unfused_like_the_fused_kernel(self, inputs, spanning)
 
     base._calculate_mean_and_var = _calculate_mean_and_var  # pylint: disable=protected-access
@@ -115,14 +117,14 @@ def _move(layer, mean, variance, count):
     layer.add_update(moving(layer.moving_variance, unbiased))
 
 
-def _fused_global(layer, inputs, total):
+def _fused_global(layer, inputs, total, gradient_total):
     """Keras' fused path with statistics over all workers (channels-last images).
 
     Forward: each worker's per-channel mean and variance from the fused kernel in training mode, combined over the
     workers by one ``total`` of (count, count x (mean - shift), count x (variance + (mean - shift)^2)); the output
     from the fused kernel in inference mode with the global mean and variance. Backward: the fused kernel's
     inference-mode gradient (``dy * gamma / std``, and per-channel sums of ``dy`` and ``dy * x_hat``, which are
-    gamma's and beta's gradients), one ``total`` of those sums, and the correction one process's training-mode
+    gamma's and beta's gradients), one ``gradient_total`` of those sums, and the correction one process's training-mode
     gradient has: ``- gamma / std / n * (sum(dy) + x_hat * sum(dy * x_hat))`` over the global batch.
     """
     epsilon, data_format = layer.epsilon, layer._data_format  # pylint: disable=protected-access
@@ -152,7 +154,7 @@ def _fused_global(layer, inputs, total):
             del unused  # the moving averages take no gradient
             dx, dgamma, dbeta, _, _ = gen_nn_ops.fused_batch_norm_grad_v3(
                 dy, x, gamma, mean, variance, reserve, epsilon=epsilon, data_format=data_format, is_training=False)
-            global_sums = total(tf.concat([dbeta, dgamma], axis=0))
+            global_sums = gradient_total(tf.concat([dbeta, dgamma], axis=0))
             inv = tf.math.rsqrt(variance + epsilon)
             per_x = gamma * inv * inv * global_sums[channels:] / count
             per_one = gamma * inv * global_sums[:channels] / count - mean * per_x

@@ -349,12 +349,12 @@ class _ScaledLoss:
     """A compiled loss scaled by ``scales()`` (a ``LossScales``; None: unchanged) so that the workers' average
     gradient, and the logged value Keras' loss metric weights by the batch's rows, are one process's.
 
-    ``SUM``: value and gradient times ``workers``; with ``rows_share``, the value times ``workers / rows_share``
-    instead. ``NONE`` (Keras logs the mean of the per-example values and differentiates their sum): the gradient
-    times ``workers``. Averaged losses (Keras divides by the element count, or under a mask by the valid count):
-    the gradient times this worker's share of the global denominator (``rows_share`` without a mask; ``workers *
-    valid / valid over all workers`` with one), and the value so that the rows-weighted mean is the global batch's.
-    Every other attribute is the wrapped loss's.
+    With ``rows_share`` the step multiplies the worker's whole gradient by it (``global_losses``), so each factor
+    below is divided by it. ``SUM``: value and gradient times ``workers``. ``NONE`` (Keras logs the mean of the
+    per-example values and differentiates their sum): the gradient times ``workers``. Averaged losses: unchanged
+    without a mask (Keras divides by the element count; the share does the rest); under a mask (Keras divides by
+    the valid count) value and gradient times ``workers * valid / valid over all workers``. Every other attribute is
+    the wrapped loss's.
     """
 
     def __init__(self, loss, scales):
@@ -368,18 +368,19 @@ class _ScaledLoss:
         scales = self._scales()
         if scales is None or scales.workers == 1:
             return value
-        workers = tf.cast(scales.workers, value.dtype)
-        rows_share = None if scales.rows_share is None else tf.cast(scales.rows_share, value.dtype)
+        if self._loss.reduction in _SUMMED:
+            factor = tf.cast(scales.workers, value.dtype)
+        else:
+            valid = _valid_count(self._loss, y_true, y_pred)
+            if valid is None:
+                return value
+            valid = tf.cast(valid, tf.float32)
+            factor = tf.cast(scales.workers * valid / scales.over_workers(valid), value.dtype)
+        if scales.rows_share is not None:
+            factor = factor / tf.cast(scales.rows_share, value.dtype)
         if self._loss.reduction == tf.keras.losses.Reduction.NONE:
-            return _scaled(value, 1.0, workers)
-        if self._loss.reduction == tf.keras.losses.Reduction.SUM:
-            return value * workers if rows_share is None else _scaled(value, workers / rows_share, workers)
-        valid = _valid_count(self._loss, y_true, y_pred)
-        if valid is None:
-            return value if rows_share is None else _scaled(value, 1.0, rows_share)
-        valid = tf.cast(valid, tf.float32)
-        gradient = tf.cast(scales.workers * valid / scales.over_workers(valid), value.dtype)
-        return _scaled(value, gradient if rows_share is None else gradient / rows_share, gradient)
+            return _scaled(value, 1.0, factor)
+        return value * factor
 
 
 def _scaled(value, shown, gradient):

@@ -255,19 +255,19 @@ def _train_step(original, model, data):
     """The model's own ``train_step`` (Keras' or the user's), its logs taken over all workers in the step
     (``step/logs.py``: Keras' metrics from their summed states, other scalars averaged; synchronous training only: it
     is a collective). With several workers, its BatchNormalization layers take their statistics over all workers'
-    batches (``step/batch_norm.py``) and its compiled losses count every worker's part as one process does
-    (``step/global_losses.py``: losses summed over the batch, and averaged ones when batches may differ in size or
-    a mask applies)."""
+    batches (``step/batch_norm.py``) and its losses count every worker's part as one process does
+    (``step/global_losses.py``: compiled losses summed over the batch or masked, and, when batches may differ in
+    size, each worker's gradient and logged scalars weighted by its share of the global batch)."""
     state = compiled(model)
     strategy = state.strategy
     iterations = model.optimizer.iterations.read_value()  # before this step's update (program order)
-    statistics = (batch_norm.global_statistics(strategy.num_workers, strategy.options.sync_batch_norm)
-                  if strategy.num_workers > 1 else contextlib.nullcontext())
     share = (global_losses.batch_share(data, strategy.num_workers)
              if state.uneven_batches and strategy.num_workers > 1 else None)
+    statistics = (batch_norm.global_statistics(strategy.num_workers, strategy.options.sync_batch_norm, share)
+                  if strategy.num_workers > 1 else contextlib.nullcontext())
     with statistics, global_losses.workers(strategy.num_workers, share):
         logs = original(model, data)
-    return logs_lib.over_workers(logs, model.metrics, iterations, strategy.num_workers, "kp_step_logs")
+    return logs_lib.over_workers(logs, model.metrics, iterations, strategy.num_workers, "kp_step_logs", share)
 
 
 def _refuse_training(workers, method, model, *args, **kwargs):

@@ -31,11 +31,16 @@ def install():
 
 
 @contextlib.contextmanager
-def global_statistics(num_workers, every_layer):
+def global_statistics(num_workers, every_layer, gradient_share=None):
     """While tracing one training step: BatchNormalization layers in training use statistics over ``num_workers``
-    workers; all of them if ``every_layer``, else only those built with ``synchronized=True``."""
+    workers; all of them if ``every_layer``, else only those built with ``synchronized=True``.
+
+    ``gradient_share``: this worker's share of the global batch when batches may differ in size (a float32 scalar
+    tensor; ``global_losses``), by which the step multiplies its gradients. Backprop through the statistics then
+    sums each worker's part times its share and divides by this worker's, so that after that multiplication every
+    worker's loss counts as its share of the global batch, through the statistics too."""
     previous = getattr(_ACTIVE, "state", None)
-    _ACTIVE.state = (num_workers, every_layer)
+    _ACTIVE.state = (num_workers, every_layer, gradient_share)
     try:
         yield
     finally:
@@ -64,13 +69,38 @@ def _statistics(layer):
     state = getattr(_ACTIVE, "state", None)
     if state is None or not (state[1] or layer.synchronized):
         return None
-    num_workers = state[0]
+    num_workers, _, share = state
     _refuse_virtual_batches(layer, num_workers, state[1])  # a layer created after compile (lazily built models)
-    return bn_compat.Global(moments=lambda x, weights, axes: _global_moments(layer, x, weights, axes, num_workers),
-                            sum=lambda tensor: collectives.sum_over_workers(tensor, num_workers, name=None))
+    return bn_compat.Global(
+        moments=lambda x, weights, axes: _global_moments(layer, x, weights, axes, num_workers, share),
+        sum=lambda tensor: collectives.sum_over_workers(tensor, num_workers, name=None),
+        gradient_sum=lambda tensor: _weighted_sum(tensor, num_workers, share))
 
 
-def _global_moments(layer, x, weights, axes, num_workers):
+def _weighted_sum(gradient, num_workers, share):
+    """A gradient summed over the workers, each worker's times its ``share`` and the sum over this worker's (see
+    ``global_statistics``); the plain sum when ``share`` is None."""
+    if share is None:
+        return collectives.sum_over_workers(gradient, num_workers, name=None)
+    share = tf.cast(share, gradient.dtype)
+    return collectives.sum_over_workers(gradient * share, num_workers, name=None) / share
+
+
+def _sum_over_workers(tensor, num_workers, share):
+    """``tensor`` summed over the workers; its gradient is ``_weighted_sum`` of the incoming one (Horovod's own
+    allreduce gradient, the plain sum, when ``share`` is None)."""
+    if share is None:
+        return collectives.sum_over_workers(tensor, num_workers, name=None)
+
+    @tf.custom_gradient
+    def total(x):
+        return collectives.sum_over_workers(x, num_workers, name=None), (
+            lambda upstream: _weighted_sum(upstream, num_workers, share))
+
+    return total(tensor)
+
+
+def _global_moments(layer, x, weights, axes, num_workers, share):
     """Mean, biased variance and count over all workers, per channel, with the reduced axes kept (unfused path)."""
     dtype = x.dtype
     y = tf.cast(x, tf.float32)
@@ -85,7 +115,7 @@ def _global_moments(layer, x, weights, axes, num_workers):
         count = tf.reduce_sum(tf.broadcast_to(weights, tf.shape(y)), axis=axes, keepdims=True)
     sums = tf.stack([tf.reduce_sum(y, axis=axes, keepdims=True), tf.reduce_sum(tf.square(y), axis=axes, keepdims=True),
                      count])
-    sums = collectives.sum_over_workers(sums, num_workers, name=None)
+    sums = _sum_over_workers(sums, num_workers, share)
     mean = sums[0] / sums[2]
     variance = tf.maximum(sums[1] / sums[2] - tf.square(mean), 0.0)
     return tf.cast(mean + shift, dtype), tf.cast(variance, dtype), sums[2]

@@ -1,19 +1,24 @@
-"""Compiled losses scaled so that the workers' average gradient is one process's on the global batch.
+"""Losses weighted so that the workers' average gradient is one process's on the global batch.
 
 The step averages gradients over the workers. That is one process's gradient for a loss averaged over the batch
-(Keras' default) when every worker's batch has the same size and no mask applies, and for regularization losses
-always. Three cases need more, and get it while kparallax's synchronous step is traced (``workers``):
+(Keras' default) when every worker's batch has the same size and no mask applies, and for terms that are the same on
+every worker (weight regularizers) always. Three cases need more, and get it while kparallax's synchronous step is
+traced (``workers``):
 
 * Losses that sum over the batch (``reduction="sum"`` or ``"none"``): one process differentiates (and, for
   ``"sum"``, logs) the sum over its whole batch, each worker sums over its own part, and the average would divide
-  that term by the worker count. Such a term is multiplied by the worker count (value and gradient; for ``"none"``,
-  whose logged value is a mean of per-example values, the gradient only), as tf.distribute's Keras does in its own
-  way.
-* Losses averaged over the batch, when the workers' batches may differ in size (a dataset's last, partial batch;
-  ``train_on_batch`` with each worker's own batch): one process weights every example alike, the plain average
-  would weight each worker's mean alike. Such a term's gradient is multiplied by the worker's share of the global
-  batch, ``num_workers * rows / rows over all workers`` (one scalar allreduce per step); its logged value is left
-  alone, since Keras' loss metric already weights each batch by its rows.
+  that term by the worker count. Such a compiled loss is multiplied by the worker count (value and gradient; for
+  ``"none"``, whose logged value is a mean of per-example values, the gradient only), as tf.distribute's Keras does
+  in its own way.
+* Batches that may differ in size (a dataset's last, partial batch; ``train_on_batch`` with each worker's own
+  batch): one process weights every example alike, the plain average would weight each worker's mean alike. Each
+  worker's whole gradient is multiplied by its share of the global batch, ``num_workers * rows / rows over all
+  workers`` (one scalar allreduce per step; the routing optimizer applies ``gradient_share()`` before the exchange).
+  That is exact for every term averaged over the worker's batch, whoever computes it (compiled losses, a custom
+  ``train_step``'s own loss, ``add_loss`` means, activity regularizers), and leaves terms that are the same on every
+  worker unchanged (the shares average to 1). Backprop through BatchNormalization's global statistics weights each
+  worker's part the same way (``batch_norm.py``). Compiled summed and masked losses take their factors over that
+  share; the logged values of other scalars are weighted by it too (``logs.over_workers``).
 * Losses averaged under a mask (a ``mask_zero`` sequence, a sparse cross-entropy's ``ignore_class``): Keras divides
   by the count of valid elements, which differs from worker to worker even when the batches do not. The gradient
   is multiplied by ``num_workers * valid / valid over all workers`` (one scalar allreduce per such loss and step),
@@ -43,11 +48,18 @@ def batch_share(data, num_workers):
     return num_workers * rows / collectives.sum_over_workers(rows, num_workers, name="kp_batch_rows")
 
 
+def gradient_share():
+    """This worker's share of the global batch in the step being traced (a float32 scalar tensor), by which its
+    gradients are multiplied before the exchange; None when the workers' batches have the same size."""
+    scales = getattr(_ACTIVE, "scales", None)
+    return None if scales is None else scales.rows_share
+
+
 @contextlib.contextmanager
 def workers(num_workers, rows_share=None):
-    """While one training step is traced: summed losses count ``num_workers`` workers, and averaged ones weight
-    this worker's part by its share of the global batch (``rows_share`` from ``batch_share``, when batches may differ
-    in size; the valid count, when a mask applies)."""
+    """While one training step is traced: summed compiled losses count ``num_workers`` workers, masked ones weight
+    this worker's part by its valid count, and with ``rows_share`` (from ``batch_share``, when batches may differ in
+    size) the worker's gradients are weighted by its share of the global batch (``gradient_share``)."""
     previous = getattr(_ACTIVE, "scales", None)
     _ACTIVE.scales = keras_compat.LossScales(
         num_workers, rows_share,

@@ -43,12 +43,14 @@ def _is_float_scalar(value):
     return isinstance(value, (float, np.floating)) or (isinstance(value, np.ndarray) and value.ndim == 0)
 
 
-def over_workers(logs, metrics, iterations, num_workers, name):
+def over_workers(logs, metrics, iterations, num_workers, name, weight=None):
     """``logs`` (a dict: tensors in a traced step, numbers eagerly) over all workers, in one checked allreduce.
 
     Keys that are results of Keras' own ``metrics`` take the result of the summed states; other float scalars
-    are averaged; everything else is left as this worker has it. ``iterations``: this worker's optimizer step (read
-    before this step's update); ``name``: the allreduce's, the same on every worker.
+    are averaged, each worker's times ``weight`` when given (its share of the global batch, when batches may differ
+    in size: a per-batch mean then averages to the global batch's); everything else is left as this worker has it.
+    ``iterations``: this worker's optimizer step (read before this step's update); ``name``: the allreduce's, the
+    same on every worker.
     """
     if num_workers == 1 or not isinstance(logs, dict):
         return logs
@@ -57,7 +59,10 @@ def over_workers(logs, metrics, iterations, num_workers, name):
     local = [tf.identity(v.read_value()) for v in variables]
     keys = [k for k, v in logs.items() if _is_float_scalar(v)]
     payload = [tf.reshape(tf.cast(t, tf.float32), [-1]) for t in local]
-    payload += [tf.reshape(tf.cast(logs[k], tf.float32), [-1]) for k in keys]
+    others = [tf.cast(logs[k], tf.float32) for k in keys]
+    if weight is not None:
+        others = [value * tf.cast(weight, tf.float32) for value in others]
+    payload += [tf.reshape(value, [-1]) for value in others]
     summed = collectives.sum_checked(tf.concat(payload, axis=0) if payload else tf.zeros([0], tf.float32),
                                      iterations, num_workers, name)
     out = dict(logs)

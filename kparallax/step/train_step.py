@@ -3,7 +3,9 @@
 ``wrap(optimizer, step)`` returns an optimizer of the user's class (same hyper-parameters) whose
 ``apply_gradients`` builds the step:
 
-  1. split the gradients: replicated variables vs PS variables (the strategy's registry decides);
+  1. when the workers' batches may differ in size, weight each gradient by this worker's share of the global batch
+     (``global_losses``); split the gradients: replicated variables vs PS variables (the strategy's registry
+     decides);
   2. PS path (``ps_sync.SyncPs`` or ``ps_async.AsyncPs``): push; the step's last push updates on the PS;
   3. dense path: one Horovod allreduce per gradient (``collectives.average_gradients``; each starts when its
      gradient exists, Horovod fuses what is ready), applied locally by the user's optimizer, while the PS path is
@@ -21,6 +23,7 @@ from kparallax import log as logging
 from kparallax._compat import keras as keras_compat
 from kparallax.step import accumulation
 from kparallax.step import collectives
+from kparallax.step import global_losses
 
 _KNOWN = ("sgd", "adam", "adagrad", "rmsprop", "adamax", "nadam", "adadelta", "ftrl", "adamw", "lion")
 
@@ -131,6 +134,21 @@ class Step:
         return applied
 
 
+def _weighted(grads_and_vars, share):
+    """Each gradient times ``share`` (this worker's share of the global batch, when batches may differ in size;
+    ``global_losses``), or the list unchanged when ``share`` is None."""
+    if share is None:
+        return grads_and_vars
+    out = []
+    for grad, var in grads_and_vars:
+        if isinstance(grad, tf.IndexedSlices):
+            grad = tf.IndexedSlices(grad.values * tf.cast(share, grad.values.dtype), grad.indices, grad.dense_shape)
+        elif grad is not None:
+            grad = grad * tf.cast(share, grad.dtype)
+        out.append((grad, var))
+    return out
+
+
 class _RoutingMixin:
     """Mixed in front of the user's optimizer class; the step is set by ``wrap``."""
 
@@ -139,7 +157,7 @@ class _RoutingMixin:
     @tf.autograph.experimental.do_not_convert
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         step = self._kp_step
-        dense, ps = step.split(list(grads_and_vars))
+        dense, ps = step.split(_weighted(list(grads_and_vars), global_losses.gradient_share()))
         if ps and keras_compat.unclonable_reason(self):
             raise ValueError(f"{keras_compat.unclonable_reason(self)} Received: {type(self).__name__} with "
                              f"{len(ps)} PS variable(s), e.g. {ps[0][1].name!r}.")

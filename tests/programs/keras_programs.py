@@ -415,6 +415,53 @@ def partial_last_batch(scope, batch):
     return model
 
 
+class OwnLossStep(tf.keras.Model):
+    """A subclassed model whose own train_step computes its loss (no compiled loss): a mean squared error plus the
+    model's losses (an activity regularizer's), through BatchNormalization on images (Keras' fused kernel) and on a
+    Dense layer's output (the unfused path)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = tf.keras.layers.Embedding(VOCAB, EMB)
+        self.conv = tf.keras.layers.Conv2D(3, 2)
+        self.image_norm = tf.keras.layers.BatchNormalization()
+        self.hidden = tf.keras.layers.Dense(6, activity_regularizer=tf.keras.regularizers.l2(0.05))
+        self.hidden_norm = tf.keras.layers.BatchNormalization()
+        self.out = tf.keras.layers.Dense(1)
+
+    def call(self, inputs, training=False):
+        ids, images = inputs
+        pictures = tf.keras.layers.Flatten()(self.image_norm(self.conv(images), training=training))
+        x = tf.concat([tf.reduce_sum(self.table(ids), axis=1), pictures], axis=1)
+        return self.out(tf.nn.relu(self.hidden_norm(self.hidden(x), training=training)))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self(x, training=True) - y)) + tf.add_n(self.losses)
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, self.trainable_variables), self.trainable_variables))
+        return {"loss": loss}
+
+
+def own_loss_partial_batch(scope, batch):
+    """OwnLossStep fed a batched dataset (no drop_remainder) whose last batch is partial: 16 and 6 rows on the
+    workers in the last step, 22 in one process. The logged loss of each epoch (its last, partial batch's) is
+    kept."""
+    ids, rng = _ids(19)
+    images = rng.normal(size=(ROWS, 3, 3, 2)).astype(np.float32)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    rows = ROWS - 10
+    with scope():
+        model = OwnLossStep()
+        model((ids[:1], images[:1]))
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.05))
+        data = tf.data.Dataset.from_tensor_slices(((ids[:rows], images[:rows]), y[:rows]))
+        history = model.fit(data.batch(batch), epochs=2, verbose=0)
+    model.logged = [np.array(history.history["loss"])]
+    return model
+
+
 def masked_sequence_losses(scope, batch):
     """Sequence tagging: a mask_zero Embedding, an LSTM over the sequence and two per-step outputs, one with a
     plain sparse cross-entropy and one with ``ignore_class=0``. Keras averages each over the valid (unmasked, not
@@ -472,5 +519,5 @@ PROGRAMS = {f.__name__: f for f in (ratio_metrics, summed_losses, unreduced_loss
                                     mask_zero_lstm_callbacks,
                                     custom_train_step, text_vectorization, lookup_layers, shared_layer, keras_callbacks,
                                     tf_data_known_cardinality, backup_and_restore_resume, partial_last_batch,
-                                    masked_sequence_losses,
+                                    masked_sequence_losses, own_loss_partial_batch,
                                     train_on_batch_loop)}  # last: it seeds Keras' random generator
