@@ -282,6 +282,30 @@ def test_use_ema_trains_like_plain_keras(strategy, options):
     assert not np.allclose(unaveraged.get_weights()[0], plain.get_weights()[0], atol=1e-3)  # the averages matter
 
 
+def test_eager_training_of_ps_variables_is_refused_before_any_update(strategy):
+    """run_eagerly (a compile argument or the model's property) and tf.config.run_functions_eagerly: one clear
+    error (before, TensorFlow's 'Handle has no shape/type information' from the push counter), weights untouched."""
+    x, y = _data()
+    with strategy.scope():
+        model = _model("eager")
+        model.set_weights(_initial(model))
+        model.compile(optimizer="sgd", loss="mse", run_eagerly=True)
+        with pytest.raises(ValueError, match=r"cannot train eagerly under HybridStrategy.*Received: run_eagerly=True"):
+            model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        for a, b in zip(model.get_weights(), _initial(model)):
+            np.testing.assert_array_equal(a, b)
+        with pytest.raises(ValueError, match="cannot train eagerly"):
+            model.train_on_batch(x[:16], y[:16])
+        model.run_eagerly = False
+        tf.config.run_functions_eagerly(True)
+        try:
+            with pytest.raises(ValueError, match="cannot train eagerly"):
+                model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        finally:
+            tf.config.run_functions_eagerly(False)
+        assert np.isfinite(model.fit(x, y, batch_size=16, epochs=1, verbose=0).history["loss"][0])
+
+
 def test_legacy_gradient_transformers_are_refused_for_ps_variables(strategy):
     optimizer = tf.keras.optimizers.legacy.SGD(0.1, gradient_transformers=[lambda grads_and_vars: grads_and_vars])
     with strategy.scope():

@@ -158,6 +158,14 @@ class _RoutingMixin:
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         step = self._kp_step
         dense, ps = step.split(_weighted(list(grads_and_vars), global_losses.gradient_share()))
+        if ps and tf.executing_eagerly():
+            raise ValueError(
+                "A model with PS variables cannot train eagerly under HybridStrategy: the PS path of its step (pushes "
+                "counted on the PS, the update made by the last push, the end-of-step barrier) is built as one traced "
+                "function, as TensorFlow's ParameterServerStrategy requires too. Received: run_eagerly=True (or "
+                f"tf.config.run_functions_eagerly(True)) with {len(ps)} PS variable(s), e.g. {ps[0][1].name!r}. "
+                "Leave run_eagerly unset or False; to step through the model's Python, run it in one process without "
+                "the strategy.")
         if ps and keras_compat.unclonable_reason(self):
             raise ValueError(f"{keras_compat.unclonable_reason(self)} Received: {type(self).__name__} with "
                              f"{len(ps)} PS variable(s), e.g. {ps[0][1].name!r}.")

@@ -462,6 +462,72 @@ def own_loss_partial_batch(scope, batch):
     return model
 
 
+def weighted_metrics_sample_weights(scope, batch):
+    """Per-sample weights given to fit, with metrics both plain and weighted (weighted accuracy and AUC); every
+    epoch's logs are kept."""
+    ids, rng = _ids(32)
+    y = (rng.random(size=(ROWS, 1)) > 0.5).astype(np.float32)
+    weights = rng.random(size=(ROWS,)).astype(np.float32)
+    with scope():
+        model = tf.keras.Sequential([tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB),
+                                     tf.keras.layers.Flatten(), tf.keras.layers.Dense(1, activation="sigmoid")])
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.01), loss="binary_crossentropy", metrics=["accuracy"],
+                      weighted_metrics=["accuracy", tf.keras.metrics.AUC()])
+        history = model.fit(ids, y, sample_weight=weights, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+    model.logged = [np.array([history.history[key] for key in sorted(history.history)])]
+    return model
+
+
+def gru_conv1d_evaluate(scope, batch):
+    """Conv1D and GRU over embedded ids, RMSprop, validation_data in fit, then evaluate; the fit's logs and the
+    evaluate results are kept."""
+    ids, rng = _ids(34)
+    y = rng.integers(0, 3, size=(ROWS,)).astype(np.int32)
+    with scope():
+        inputs = tf.keras.Input((LEN,), dtype=tf.int32)
+        x = tf.keras.layers.Conv1D(4, 2, padding="same")(tf.keras.layers.Embedding(VOCAB, EMB)(inputs))
+        model = tf.keras.Model(inputs, tf.keras.layers.Dense(3)(tf.keras.layers.GRU(5)(x)))
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.RMSprop(0.01),
+                      loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+        history = model.fit(ids, y, batch_size=batch, epochs=2, shuffle=False, verbose=0,
+                            validation_data=(ids[:40], y[:40]))
+        results = model.evaluate(ids, y, batch_size=batch, verbose=0)
+    model.logged = [np.array([history.history[key] for key in sorted(history.history)]), np.array(results)]
+    return model
+
+
+def stateful_lstm(scope, batch):
+    """A stateful LSTM (fixed batch size; its state carries over from batch to batch within each epoch)."""
+    ids, rng = _ids(33)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    with scope():
+        model = tf.keras.Sequential([tf.keras.Input((LEN,), dtype=tf.int32, batch_size=batch),
+                                     tf.keras.layers.Embedding(VOCAB, EMB), tf.keras.layers.LSTM(4, stateful=True),
+                                     tf.keras.layers.Dense(1)])
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.05), loss="mse")
+        history = model.fit(ids, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+    model.logged = [np.array(history.history["loss"])]
+    return model
+
+
+def run_eagerly_dense(scope, batch):
+    """compile(run_eagerly=True) on a model without tables (Dense, BatchNormalization, Adam, a metric)."""
+    rng = np.random.default_rng(35)
+    x = rng.normal(size=(ROWS, 4)).astype(np.float32)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    with scope():
+        model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(8, activation="relu"),
+                                     tf.keras.layers.BatchNormalization(), tf.keras.layers.Dense(1)])
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"], run_eagerly=True)
+        history = model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+    model.logged = [np.array([history.history[key] for key in sorted(history.history)])]
+    return model
+
+
 def masked_sequence_losses(scope, batch):
     """Sequence tagging: a mask_zero Embedding, an LSTM over the sequence and two per-step outputs, one with a
     plain sparse cross-entropy and one with ``ignore_class=0``. Keras averages each over the valid (unmasked, not
@@ -519,5 +585,6 @@ PROGRAMS = {f.__name__: f for f in (ratio_metrics, summed_losses, unreduced_loss
                                     mask_zero_lstm_callbacks,
                                     custom_train_step, text_vectorization, lookup_layers, shared_layer, keras_callbacks,
                                     tf_data_known_cardinality, backup_and_restore_resume, partial_last_batch,
-                                    masked_sequence_losses, own_loss_partial_batch,
+                                    masked_sequence_losses, own_loss_partial_batch, weighted_metrics_sample_weights,
+                                    gru_conv1d_evaluate, stateful_lstm, run_eagerly_dense,
                                     train_on_batch_loop)}  # last: it seeds Keras' random generator
