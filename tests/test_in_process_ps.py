@@ -306,6 +306,38 @@ def test_eager_training_of_ps_variables_is_refused_before_any_update(strategy):
         assert np.isfinite(model.fit(x, y, batch_size=16, epochs=1, verbose=0).history["loss"][0])
 
 
+class _SecondOptimizerOnTable(tf.keras.Model):
+    """A custom train_step whose second optimizer updates the PS table."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = tf.keras.layers.Embedding(VOCAB, EMB)
+        self.head = tf.keras.layers.Dense(1)
+        self.second = tf.keras.optimizers.SGD(0.1)
+
+    def call(self, ids):
+        return self.head(tf.reduce_sum(self.table(ids), axis=1))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self(x) - y))
+        self.second.apply_gradients(zip(tape.gradient(loss, self.table.trainable_variables),
+                                        self.table.trainable_variables))
+        return {"loss": loss}
+
+
+def test_a_second_optimizer_updating_ps_variables_is_refused(strategy):
+    x, y = _data()
+    with strategy.scope():
+        model = _SecondOptimizerOnTable()
+        model(x[:1])
+        model.compile(optimizer="sgd")
+        with pytest.raises(ValueError, match=r"A second optimizer \(SGD\) updates PS variables.*Received: "
+                                             r"SGD.apply_gradients with PS variable\(s\)"):
+            model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+
 def test_legacy_gradient_transformers_are_refused_for_ps_variables(strategy):
     optimizer = tf.keras.optimizers.legacy.SGD(0.1, gradient_transformers=[lambda grads_and_vars: grads_and_vars])
     with strategy.scope():

@@ -47,6 +47,7 @@ from kparallax.step import batch_norm
 from kparallax.step import collectives
 from kparallax.step import logs as logs_lib
 from kparallax.step import global_losses
+from kparallax.step import train_step
 
 _LOCAL = threading.local()
 _STRATEGIES = weakref.WeakSet()
@@ -126,22 +127,44 @@ def install(strategy):
 
 
 def _only_owned_optimizers_in_jobs(original):
-    """``apply_gradients`` of Keras' optimizer base classes: in a job of several workers, only the optimizers
-    kparallax made (``compile`` inside the scope) may apply gradients; any other (a custom training loop) would
-    update each worker's copy alone, so it is refused."""
+    """``apply_gradients`` of Keras' optimizer base classes. In a model's synchronous training step, an optimizer
+    kparallax did not make (a second optimizer of a custom ``train_step``, as a GAN has) gets its gradients averaged
+    over the workers like the compiled one's (replicated variables only). Elsewhere, in a job of several workers, only
+    the optimizers kparallax made (``compile`` inside the scope) may apply gradients: any other (a custom training
+    loop) would update each worker's copy alone, so it is refused."""
 
     @functools.wraps(original)
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        if keras_compat.is_owned(self):
+            return original(self, grads_and_vars, *args, **kwargs)
+        strategy = getattr(_LOCAL, "step_strategy", None)
+        if strategy is not None:
+            grads_and_vars = list(grads_and_vars)
+            _refuse_extra_optimizer_on_ps(strategy, self, grads_and_vars)
+            return train_step.route(self, strategy.extra_step(self), grads_and_vars,
+                                    lambda averaged: original(self, averaged, *args, **kwargs))
         jobs = [s.num_workers for s in list(_STRATEGIES) if s.num_workers > 1]
-        if jobs and not keras_compat.is_owned(self):
+        if jobs:
             raise ValueError(
                 f"{type(self).__name__}.apply_gradients was called outside kparallax's training step in a job of "
                 f"{jobs[0]} workers: each worker would update its own copy of the weights alone (no allreduce, no "
-                "shared PS update). Received: an optimizer not compiled into a model inside HybridStrategy.scope() "
+                "shared PS update). Received: an optimizer applied outside a model's synchronous training step "
                 "(a custom training loop?). Compile the model inside `with strategy.scope():` and train with "
-                "model.fit; a custom train_step (calling self.optimizer.apply_gradients) is supported.")
+                "model.fit; a custom train_step (calling self.optimizer.apply_gradients, and other optimizers for "
+                "replicated variables) is supported.")
         return original(self, grads_and_vars, *args, **kwargs)
     return apply_gradients
+
+
+def _refuse_extra_optimizer_on_ps(strategy, optimizer, grads_and_vars):
+    on_ps = [v.name for g, v in grads_and_vars if g is not None and strategy.is_ps_variable(v)]
+    if on_ps:
+        raise ValueError(
+            f"A second optimizer ({type(optimizer).__name__}) updates PS variables in a model's train_step: under "
+            "HybridStrategy only the optimizer passed to compile can, because the PS-side copies of it hold those "
+            f"variables' slots. Received: {type(optimizer).__name__}.apply_gradients with PS variable(s) {on_ps}. "
+            "Update them with self.optimizer, or keep them on the workers with "
+            "HybridStrategy(placement={'<their path regex>': 'replicated'}).")
 
 
 def _whole_tables_before_compile(original, whole):
@@ -265,8 +288,12 @@ def _train_step(original, model, data):
              if state.uneven_batches and strategy.num_workers > 1 else None)
     statistics = (batch_norm.global_statistics(strategy.num_workers, strategy.options.sync_batch_norm, share)
                   if strategy.num_workers > 1 else contextlib.nullcontext())
-    with statistics, global_losses.workers(strategy.num_workers, share):
-        logs = original(model, data)
+    outer, _LOCAL.step_strategy = getattr(_LOCAL, "step_strategy", None), strategy
+    try:
+        with statistics, global_losses.workers(strategy.num_workers, share):
+            logs = original(model, data)
+    finally:
+        _LOCAL.step_strategy = outer
     return logs_lib.over_workers(logs, model.metrics, iterations, strategy.num_workers, "kp_step_logs", share)
 
 

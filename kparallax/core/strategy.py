@@ -338,6 +338,18 @@ class HybridStrategy:
             self._optimizers.append((wrapped, weakref.ref(source), step, clones))
         return wrapped, step, clones
 
+    def extra_step(self, optimizer):
+        """The ``Step`` of an optimizer that a model's own ``train_step`` uses besides the compiled one (a GAN's
+        second optimizer): its gradients of replicated variables are averaged over the workers as the compiled
+        optimizer's are, then it applies them itself. Made at the optimizer's first use in a step, one per instance.
+        """
+        step = optimizer.__dict__.get("_kp_extra_step")
+        if step is None:
+            step = train_step.Step(self._options, self.num_workers, self.is_ps_variable, ps_path=None,
+                                   log_architecture=False)
+            optimizer.__dict__["_kp_extra_step"] = step
+        return step
+
 
 def _whole_value(initial_value, dtype):
     """A callable returning the table's initial value, evaluated at most once (by the chief only)."""

@@ -56,10 +56,12 @@ class Step:
       options: the strategy's ``Options``.
       num_workers: Horovod size.
       is_ps_variable: callable(variable) -> bool.
-      ps_path: ``SyncPs`` or ``AsyncPs`` (``build(grads_and_vars) -> PsStep``).
+      ps_path: ``SyncPs`` or ``AsyncPs`` (``build(grads_and_vars) -> PsStep``); None for a step of replicated
+        variables only.
+      log_architecture: log the effective architecture at the first step (the compiled optimizer's step does).
     """
 
-    def __init__(self, options, num_workers, is_ps_variable, ps_path):
+    def __init__(self, options, num_workers, is_ps_variable, ps_path, log_architecture=True):
         self.options = options
         self.num_workers = num_workers
         self.is_ps_variable = is_ps_variable
@@ -67,7 +69,7 @@ class Step:
         self.clones = None  # the model's ``Clones`` (set by the strategy)
         self.accumulator = (accumulation.GradientAccumulator(options.backward_passes_per_step)
                             if options.backward_passes_per_step > 1 else None)
-        self._logged = False
+        self._logged = not log_architecture
         self._sent = None  # {"dense", "sparse"}: int64 variables, bytes this worker sent
 
     def sent_bytes(self):
@@ -149,6 +151,31 @@ def _weighted(grads_and_vars, share):
     return out
 
 
+def route(optimizer, step, grads_and_vars, apply_dense):
+    """Builds ``step`` for ``grads_and_vars`` of ``optimizer``: weighted by this worker's share of the global batch
+    when batches may differ in size, split, optionally accumulated, exchanged; ``apply_dense(averaged)`` applies the
+    averaged replicated gradients with the user's optimizer. Returns the op Keras' step waits for."""
+    dense, ps = step.split(_weighted(list(grads_and_vars), global_losses.gradient_share()))
+    if ps and tf.executing_eagerly():
+        raise ValueError(
+            "A model with PS variables cannot train eagerly under HybridStrategy: the PS path of its step (pushes "
+            "counted on the PS, the update made by the last push, the end-of-step barrier) is built as one traced "
+            "function, as TensorFlow's ParameterServerStrategy requires too. Received: run_eagerly=True (or "
+            f"tf.config.run_functions_eagerly(True)) with {len(ps)} PS variable(s), e.g. {ps[0][1].name!r}. "
+            "Leave run_eagerly unset or False; to step through the model's Python, run it in one process without "
+            "the strategy.")
+    if ps and keras_compat.unclonable_reason(optimizer):
+        raise ValueError(f"{keras_compat.unclonable_reason(optimizer)} Received: {type(optimizer).__name__} with "
+                         f"{len(ps)} PS variable(s), e.g. {ps[0][1].name!r}.")
+
+    def build(dense, ps):
+        return step.build(optimizer, dense, ps, apply_dense)
+
+    if step.accumulator is not None:
+        return step.accumulator.accumulate_then(dense + ps, lambda averaged: build(*step.split(averaged)))
+    return build(dense, ps)
+
+
 class _RoutingMixin:
     """Mixed in front of the user's optimizer class; the step is set by ``wrap``."""
 
@@ -156,27 +183,8 @@ class _RoutingMixin:
 
     @tf.autograph.experimental.do_not_convert
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
-        step = self._kp_step
-        dense, ps = step.split(_weighted(list(grads_and_vars), global_losses.gradient_share()))
-        if ps and tf.executing_eagerly():
-            raise ValueError(
-                "A model with PS variables cannot train eagerly under HybridStrategy: the PS path of its step (pushes "
-                "counted on the PS, the update made by the last push, the end-of-step barrier) is built as one traced "
-                "function, as TensorFlow's ParameterServerStrategy requires too. Received: run_eagerly=True (or "
-                f"tf.config.run_functions_eagerly(True)) with {len(ps)} PS variable(s), e.g. {ps[0][1].name!r}. "
-                "Leave run_eagerly unset or False; to step through the model's Python, run it in one process without "
-                "the strategy.")
-        if ps and keras_compat.unclonable_reason(self):
-            raise ValueError(f"{keras_compat.unclonable_reason(self)} Received: {type(self).__name__} with "
-                             f"{len(ps)} PS variable(s), e.g. {ps[0][1].name!r}.")
-
-        def build(dense, ps):
-            return step.build(self, dense, ps, lambda averaged: super(_RoutingMixin, self).apply_gradients(
-                averaged, *args, **kwargs))
-
-        if step.accumulator is not None:
-            return step.accumulator.accumulate_then(dense + ps, lambda averaged: build(*step.split(averaged)))
-        return build(dense, ps)
+        return route(self, self._kp_step, grads_and_vars, lambda averaged: super(_RoutingMixin, self).apply_gradients(
+            averaged, *args, **kwargs))
 
     def build(self, var_list):
         """Keras 2.11+ optimizers: slots for the replicated variables only. Keras' ``LossScaleOptimizer`` (mixed

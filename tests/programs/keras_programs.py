@@ -462,6 +462,57 @@ def own_loss_partial_batch(scope, batch):
     return model
 
 
+class CriticAndModel(tf.keras.Model):
+    """A custom train_step with two optimizers, as a GAN's: a critic (Dense) trained first by its own optimizer, then
+    the model (a table and a head) by the compiled one on a loss through the updated critic."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = tf.keras.layers.Embedding(VOCAB, EMB)
+        self.head = tf.keras.layers.Dense(1)
+        self.critic = tf.keras.layers.Dense(1)
+        self.critic_optimizer = None
+
+    def compile(self, critic_optimizer, **kwargs):  # pylint: disable=arguments-differ
+        super().compile(**kwargs)
+        self.critic_optimizer = critic_optimizer
+
+    def call(self, ids):
+        return self.head(tf.reduce_sum(self.table(ids), axis=1))
+
+    def train_step(self, data):
+        x, y = data
+        features = tf.reduce_sum(self.table(x), axis=1)
+        with tf.GradientTape() as tape:
+            critic_loss = tf.reduce_mean(tf.square(self.critic(features) - y))
+        variables = self.critic.trainable_variables
+        self.critic_optimizer.apply_gradients(zip(tape.gradient(critic_loss, variables), variables))
+        with tf.GradientTape() as tape:
+            features = tf.reduce_sum(self.table(x), axis=1)
+            loss = tf.reduce_mean(tf.square(self(x, training=True) + 0.5 * self.critic(features) - y))
+        variables = self.table.trainable_variables + self.head.trainable_variables
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        return {"loss": loss, "critic_loss": critic_loss}
+
+
+def two_optimizers(scope, batch):
+    """CriticAndModel (Adam for the critic, SGD compiled) on a dataset with a partial last batch; the logged losses
+    are kept."""
+    ids, rng = _ids(38)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    rows = ROWS - 10
+    with scope():
+        model = CriticAndModel()
+        model(ids[:1])
+        model.critic(tf.zeros((1, EMB)))
+        _init(model)
+        model.compile(critic_optimizer=tf.keras.optimizers.Adam(0.01), optimizer=tf.keras.optimizers.SGD(0.05))
+        data = tf.data.Dataset.from_tensor_slices((ids[:rows], y[:rows]))
+        history = model.fit(data.batch(batch), epochs=2, verbose=0)
+    model.logged = [np.array([history.history[key] for key in sorted(history.history)])]
+    return model
+
+
 def weighted_metrics_sample_weights(scope, batch):
     """Per-sample weights given to fit, with metrics both plain and weighted (weighted accuracy and AUC); every
     epoch's logs are kept."""
@@ -586,5 +637,5 @@ PROGRAMS = {f.__name__: f for f in (ratio_metrics, summed_losses, unreduced_loss
                                     custom_train_step, text_vectorization, lookup_layers, shared_layer, keras_callbacks,
                                     tf_data_known_cardinality, backup_and_restore_resume, partial_last_batch,
                                     masked_sequence_losses, own_loss_partial_batch, weighted_metrics_sample_weights,
-                                    gru_conv1d_evaluate, stateful_lstm, run_eagerly_dense,
+                                    gru_conv1d_evaluate, stateful_lstm, run_eagerly_dense, two_optimizers,
                                     train_on_batch_loop)}  # last: it seeds Keras' random generator
