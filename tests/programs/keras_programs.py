@@ -513,6 +513,56 @@ def two_optimizers(scope, batch):
     return model
 
 
+def fine_tuning(scope, batch):
+    """Transfer learning: the base (a table and a Dense layer) frozen while the head trains with Adam, then unfrozen
+    and the model compiled again with a new optimizer (momentum SGD) to train all of it; both fits' losses are
+    kept."""
+    ids, rng = _ids(41)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    with scope():
+        base = tf.keras.Sequential([tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB),
+                                    tf.keras.layers.Flatten(), tf.keras.layers.Dense(4, activation="relu")])
+        model = tf.keras.Sequential([base, tf.keras.layers.Dense(1)])
+        _init(model)
+        base.trainable = False
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.01), loss="mse")
+        frozen = model.fit(ids, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+        base.trainable = True
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.01, momentum=0.9), loss="mse")
+        tuned = model.fit(ids, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+    model.logged = [np.array(frozen.history["loss"] + tuned.history["loss"])]
+    return model
+
+
+class OwnComputeLoss(tf.keras.Model):
+    """A subclassed model overriding compute_loss (Keras 2.11+) with its own mean losses, no compiled loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = tf.keras.layers.Embedding(VOCAB, EMB)
+        self.out = tf.keras.layers.Dense(1)
+
+    def call(self, ids):
+        return self.out(tf.reduce_mean(self.table(ids), axis=1))
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None):
+        return tf.reduce_mean(tf.abs(y_pred - y)) + 0.1 * tf.reduce_mean(tf.square(y_pred))
+
+
+def own_compute_loss(scope, batch):
+    """OwnComputeLoss on a dataset with a partial last batch (16 + 6 rows on the workers in the last step)."""
+    ids, rng = _ids(43)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    rows = ROWS - 10
+    with scope():
+        model = OwnComputeLoss()
+        model(ids[:1])
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.1))
+        model.fit(tf.data.Dataset.from_tensor_slices((ids[:rows], y[:rows])).batch(batch), epochs=2, verbose=0)
+    return model
+
+
 def weighted_metrics_sample_weights(scope, batch):
     """Per-sample weights given to fit, with metrics both plain and weighted (weighted accuracy and AUC); every
     epoch's logs are kept."""
@@ -638,4 +688,5 @@ PROGRAMS = {f.__name__: f for f in (ratio_metrics, summed_losses, unreduced_loss
                                     tf_data_known_cardinality, backup_and_restore_resume, partial_last_batch,
                                     masked_sequence_losses, own_loss_partial_batch, weighted_metrics_sample_weights,
                                     gru_conv1d_evaluate, stateful_lstm, run_eagerly_dense, two_optimizers,
+                                    fine_tuning, own_compute_loss,
                                     train_on_batch_loop)}  # last: it seeds Keras' random generator
