@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -208,6 +209,27 @@ def test_batch_normalization_statistics_span_the_workers_unless_per_worker_is_as
     assert run.returncode == 0, run.report()
     for name, mean in zip(("worker-0.log", "worker-1.log"), means):
         assert f"moving mean {mean}" in run.logs()[name], run.report()
+
+
+@pytest.mark.multiprocess
+def test_workers_draw_their_own_dropout_masks_under_one_global_seed(tmp_path):
+    """Every worker sets the same global seed: each still draws its own dropout masks and RandomFlip flips for its
+    rows (one process draws independent values for the rows of its global batch; before, both workers drew the
+    same), and a second run draws the same values again."""
+    masks, flips = [], []
+    for run_index in range(2):
+        run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "worker_behaviour.py"), "dropout_masks"],
+                                log_dir=str(tmp_path / str(run_index)), workers=2, ps=1, timeout=120)
+        assert run.returncode == 0, run.report()
+        found = [re.search(r"dropout mask ([01]{32})", run.logs()[f"worker-{i}.log"]) for i in range(2)]
+        assert all(found), run.report()
+        masks.append([m.group(1) for m in found])
+        flips.append([re.search(r"flipped rows ([01]{4})", run.logs()[f"worker-{i}.log"]).group(1) for i in range(2)])
+    assert masks[0][0] != masks[0][1], masks
+    assert all(0 < mask.count("1") < 32 for mask in masks[0]), masks
+    assert masks[1] == masks[0], masks
+    # 4 rows: the two workers' flips could coincide by chance with probability 1/16; with this seed they do not
+    assert flips[0][0] != flips[0][1] and flips[1] == flips[0], flips
 
 
 @pytest.mark.multiprocess

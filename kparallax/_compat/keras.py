@@ -9,11 +9,15 @@
   hyper-parameter (legacy) when an update is built: PS-side clones share the worker's variable there, and the
   synchronous PS path puts a tensor read once per step in its place (``learning_rate_value``).
 - Compiled losses are scaled through the private ``LossesContainer._losses`` list (``scale_compiled_losses``).
+- Keras' random layers that keep a ``tf.random.Generator`` (``backend.RandomGenerator``, e.g. ``RandomFlip``) seed
+  it, when first used, from the private ``backend._SEED_GENERATOR.generator`` that ``set_random_seed`` sets
+  (``worker_seed_generator``).
 - ``fit`` starts inside an epoch only through the private ``model._training_state`` hook that ``BackupAndRestore``
   uses (``set_initial_counters``; read by ``Model._maybe_load_initial_counters_from_ckpt`` in 2.11-2.15).
 """
 
 import contextlib
+import random
 import sys
 import typing
 
@@ -433,3 +437,24 @@ def batch_rows(data):
     if isinstance(first, tf.RaggedTensor):
         return first.nrows(out_type=tf.int64)
     return tf.shape(first, out_type=tf.int64)[0]
+
+
+@contextlib.contextmanager
+def worker_seed_generator(worker_index):
+    """Inside: the Python generator Keras seeds its random layers' ``tf.random.Generator`` from (set by
+    ``tf.keras.utils.set_random_seed``, the same on every worker) is a copy moved to a stream of this worker's own;
+    the original is left as it was. No change for worker 0, or when no such generator is set."""
+    backend = sys.modules[tf.keras.backend.clear_session.__module__]
+    local = backend._SEED_GENERATOR  # pylint: disable=protected-access
+    original = getattr(local, "generator", None)
+    if original is None or worker_index == 0:
+        yield
+        return
+    copy = random.Random()
+    copy.setstate(original.getstate())
+    local.generator = random.Random(copy.getrandbits(62) * 1_000_003 + worker_index)
+    try:
+        yield
+    finally:
+        local.generator = original
+

@@ -290,11 +290,33 @@ def _train_step(original, model, data):
                   if strategy.num_workers > 1 else contextlib.nullcontext())
     outer, _LOCAL.step_strategy = getattr(_LOCAL, "step_strategy", None), strategy
     try:
-        with statistics, global_losses.workers(strategy.num_workers, share):
+        with statistics, global_losses.workers(strategy.num_workers, share), _worker_random_seed(strategy):
             logs = original(model, data)
     finally:
         _LOCAL.step_strategy = outer
     return logs_lib.over_workers(logs, model.metrics, iterations, strategy.num_workers, "kp_step_logs", share)
+
+
+@contextlib.contextmanager
+def _worker_random_seed(strategy):
+    """While the training step is traced with a global seed set (``tf.keras.utils.set_random_seed``, the same on
+    every worker): the random ops of the step (Dropout and other random layers without a generator of their own, a
+    custom ``train_step``'s ``tf.random`` noise) draw from a seed of this worker's own, as one process draws
+    independent values for the rows of its global batch. With the same seed everywhere, every worker drew the same
+    masks and noise for its rows. Random layers that keep a ``tf.random.Generator`` (``RandomFlip``, ...) and create
+    it in the step are seeded from a stream of this worker's own too (``keras_compat.worker_seed_generator``). Worker
+    0 keeps the global seed; the draws stay reproducible run to run."""
+    graph = tf.compat.v1.get_default_graph()
+    seed = None if tf.executing_eagerly() else graph.seed
+    with keras_compat.worker_seed_generator(strategy.worker_index):
+        if seed is None or strategy.worker_index == 0:
+            yield
+            return
+        graph.seed = (seed * 1_000_003 + strategy.worker_index) % (2 ** 31 - 1)
+        try:
+            yield
+        finally:
+            graph.seed = seed
 
 
 def _refuse_training(workers, method, model, *args, **kwargs):

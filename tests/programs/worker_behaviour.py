@@ -1,7 +1,8 @@
 """Worker program for launcher tests.
 
 Usage: worker_behaviour.py MODE (fail_rank1 | same_index | ok | compile_outside | custom_loop | skew_steps |
-                               skew_steps_async | virtual_batch | batch_norm_global | batch_norm_per_worker)
+                               skew_steps_async | virtual_batch | batch_norm_global | batch_norm_per_worker |
+                               dropout_masks)
 """
 
 import os
@@ -88,3 +89,42 @@ if mode in ("batch_norm_global", "batch_norm_per_worker"):
         model.compile(optimizer="sgd", loss="mse")
     model.fit(np.arange(8, dtype=np.float32)[:, None], np.zeros((8, 1)), batch_size=4, shuffle=False, verbose=0)
     print(f"moving mean {float(model.layers[0].moving_mean.numpy()[0]):.4f}", flush=True)
+if mode == "dropout_masks":
+    # the same global seed on every worker (as a user's script sets it); each prints the dropout mask its training
+    # step drew for its batch of ones, and the flips RandomFlip (a layer with a tf.random.Generator) drew
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    tf.keras.utils.set_random_seed(7)
+
+    class Masks(tf.keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.drop = tf.keras.layers.Dropout(0.5)
+            self.dense = tf.keras.layers.Dense(1)
+            self.seen = tf.Variable(tf.zeros((4, 8)), trainable=False)
+            self.flip = tf.keras.layers.RandomFlip("horizontal")
+            self.flipped = tf.Variable(tf.zeros((4, 8)), trainable=False)
+
+        def call(self, x, training=False):
+            return self.dense(self.drop(x, training=training))
+
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                dropped = self.drop(tf.ones_like(x), training=True)
+                loss = tf.reduce_mean(tf.square(self.dense(dropped) - y))
+            self.seen.assign(dropped)
+            images = tf.reshape(tf.tile(tf.range(8.0), [4]), (4, 1, 8, 1))
+            self.flipped.assign(tf.reshape(self.flip(images, training=True), (4, 8)))
+            variables = self.dense.trainable_variables
+            self.optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+            return {"loss": loss}
+
+    with strategy.scope():
+        model = Masks()
+        model(np.ones((1, 8), np.float32))
+        model.compile(optimizer="sgd")
+    model.fit(np.ones((8, 8), np.float32), np.ones((8, 1), np.float32), batch_size=4, epochs=1, shuffle=False,
+              verbose=0)
+    print("dropout mask " + "".join("1" if v else "0" for v in model.seen.numpy().ravel()), flush=True)
+    print("flipped rows " + "".join("1" if row[0] else "0" for row in model.flipped.numpy()), flush=True)
