@@ -175,7 +175,8 @@ def main(argv):
         summary["heldout_loss"], summary["heldout_perplexity"] = float(result["loss"]), float(result["perplexity"])
     if strategy.is_chief:
         _write_json(os.path.join(FLAGS.model_dir, "result.json"), summary)
-        print("result: " + " ".join(f"{k}={v:.4f}" for k, v in summary.items()), flush=True)
+        print("result: " + " ".join(f"{k}={v}" if isinstance(v, int) else f"{k}={v:.4f}" for k, v in summary.items()),
+              flush=True)
     del np
 
 
