@@ -68,7 +68,7 @@ class Compiled:
     # or loaded the model's weights (then worker 0's replicated weights are broadcast again).
     on_batch_sync: object = None
     # Whether the workers' batches may differ in size (a dataset without a fixed batch dimension, train_on_batch):
-    # then the traced step weights each worker's averaged losses by its share of the global batch.
+    # then the traced step weights each worker's gradient by its share of the global batch.
     uneven_batches: bool = False
 
 
@@ -286,15 +286,23 @@ def _train_step(original, model, data):
     iterations = model.optimizer.iterations.read_value()  # before this step's update (program order)
     share = (global_losses.batch_share(data, strategy.num_workers)
              if state.uneven_batches and strategy.num_workers > 1 else None)
-    statistics = (batch_norm.global_statistics(strategy.num_workers, strategy.options.sync_batch_norm, share)
+    statistics = (batch_norm.global_statistics(strategy.num_workers, strategy.options.sync_batch_norm)
                   if strategy.num_workers > 1 else contextlib.nullcontext())
+    with (statistics, global_losses.workers(strategy.num_workers, share), _worker_random_seed(strategy),
+          _in_step(strategy)):
+        logs = original(model, data)
+    return logs_lib.over_workers(logs, model.metrics, iterations, strategy.num_workers, "kp_step_logs", share)
+
+
+@contextlib.contextmanager
+def _in_step(strategy):
+    """While ``strategy``'s synchronous training step is traced: optimizers kparallax did not make route their
+    gradients through it (``_only_owned_optimizers_in_jobs``)."""
     outer, _LOCAL.step_strategy = getattr(_LOCAL, "step_strategy", None), strategy
     try:
-        with statistics, global_losses.workers(strategy.num_workers, share), _worker_random_seed(strategy):
-            logs = original(model, data)
+        yield
     finally:
         _LOCAL.step_strategy = outer
-    return logs_lib.over_workers(logs, model.metrics, iterations, strategy.num_workers, "kp_step_logs", share)
 
 
 @contextlib.contextmanager
@@ -333,8 +341,8 @@ def _train_on_batch(original, model, *args, **kwargs):
     Before its first call, and before any call after some worker set or loaded the model's weights (one scalar
     allreduce per call tells), worker 0's replicated weights are broadcast, as ``fit`` does at its start: each
     worker may have initialized or loaded its own. A model built by that call gets its new variables broadcast after
-    it, with ``fit``'s warning. The workers' batches may differ in size: the step weights each worker's averaged
-    losses by its rows (``step/global_losses.py``)."""
+    it, with ``fit``'s warning. The workers' batches may differ in size: the step weights each worker's gradient by
+    its share of the global batch (``step/global_losses.py``)."""
     state = compiled(model)
     strategy = state.strategy
     _guard_tracking(strategy, model, model.optimizer)

@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from kparallax._compat import batch_norm as bn_compat
 from kparallax.step import collectives
+from kparallax.step import global_losses
 
 _ACTIVE = threading.local()
 
@@ -31,16 +32,16 @@ def install():
 
 
 @contextlib.contextmanager
-def global_statistics(num_workers, every_layer, gradient_share=None):
+def global_statistics(num_workers, every_layer):
     """While tracing one training step: BatchNormalization layers in training use statistics over ``num_workers``
     workers; all of them if ``every_layer``, else only those built with ``synchronized=True``.
 
-    ``gradient_share``: this worker's share of the global batch when batches may differ in size (a float32 scalar
-    tensor; ``global_losses``), by which the step multiplies its gradients. Backprop through the statistics then
-    sums each worker's part times its share and divides by this worker's, so that after that multiplication every
-    worker's loss counts as its share of the global batch, through the statistics too."""
+    When the workers' batches may differ in size, the step multiplies each worker's gradients by its share of the
+    global batch (``global_losses.gradient_share``). Backprop through the statistics then sums each worker's part
+    times its share and divides by this worker's, so that after that multiplication every worker's loss counts as
+    its share of the global batch, through the statistics too."""
     previous = getattr(_ACTIVE, "state", None)
-    _ACTIVE.state = (num_workers, every_layer, gradient_share)
+    _ACTIVE.state = (num_workers, every_layer)
     try:
         yield
     finally:
@@ -69,7 +70,7 @@ def _statistics(layer):
     state = getattr(_ACTIVE, "state", None)
     if state is None or not (state[1] or layer.synchronized):
         return None
-    num_workers, _, share = state
+    num_workers, share = state[0], global_losses.gradient_share()
     _refuse_virtual_batches(layer, num_workers, state[1])  # a layer created after compile (lazily built models)
     return bn_compat.Global(
         moments=lambda x, weights, axes: _global_moments(layer, x, weights, axes, num_workers, share),
