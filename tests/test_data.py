@@ -22,6 +22,16 @@ def test_shards_are_equal_length_and_structures_are_kept():
     assert parts[0][2] is None
 
 
+def test_sparse_and_ragged_inputs_are_sharded_by_rows_like_dense_ones():
+    dense = np.array([[0, 1, 0], [2, 0, 0], [0, 0, 3], [4, 5, 0], [0, 0, 0], [6, 0, 7], [8, 0, 0]], np.float32)
+    ragged = tf.ragged.constant([[r] * (r % 3) for r in range(7)])
+    for worker in range(3):
+        sparse, ragged_part, expected = data.shard_arrays((tf.sparse.from_dense(dense), ragged, dense), 3, worker)
+        assert isinstance(sparse, tf.SparseTensor)
+        np.testing.assert_array_equal(tf.sparse.to_dense(sparse).numpy(), expected)
+        assert ragged_part.to_list() == [[r] * (r % 3) for r in range(worker, 6, 3)]
+
+
 def test_dataset_shards_whole_batches_and_equal_steps():
     ds = tf.data.Dataset.range(7).batch(1)
     shards = [list(data.shard_dataset(ds, 2, i).as_numpy_iterator()) for i in range(2)]
@@ -49,5 +59,48 @@ def test_dataset_of_unknown_length_needs_steps():
 def test_too_little_data():
     with pytest.raises(ValueError, match=r"fewer than the 4 workers; each worker needs at least one. Received: 3 rows"):
         data.shard_arrays(np.arange(3), 4, 0)
-    with pytest.raises(TypeError, match="Generators and keras.utils.Sequence are not supported yet"):
-        data.check_supported(iter([1]))
+    with pytest.raises(ValueError, match=r"The Sequence has 1 batch\(es\), fewer than the 2 workers.*"
+                                         r"Received: len\(sequence\)=1"):
+        data.shard_sequence(_Rows(np.arange(3), 4), 2, 0)
+    with pytest.raises(TypeError, match="Received: set"):
+        data.check_supported({1, 2})
+
+
+class _Rows(tf.keras.utils.Sequence):
+    """Batches of ``rows`` (the last one partial), in an order ``on_epoch_end`` reverses."""
+
+    def __init__(self, rows, batch_size):
+        super().__init__()
+        self.rows, self.batch_size, self.epochs_ended = rows, batch_size, 0
+
+    def __len__(self):
+        return -(-len(self.rows) // self.batch_size)
+
+    def __getitem__(self, k):
+        return self.rows[k * self.batch_size:(k + 1) * self.batch_size]
+
+    def on_epoch_end(self):
+        self.rows, self.epochs_ended = self.rows[::-1], self.epochs_ended + 1
+
+
+def test_a_sequence_is_sharded_by_whole_batches_and_keeps_its_epoch_end():
+    """Worker i loads batches i, i+N, ... only: with per-worker batches of B, step k's batches are the rows of one
+    process's step k with batches of N*B, the partial last batch included."""
+    sequence = _Rows(np.arange(23), 3)  # 8 batches, the last of 2 rows
+    shards = [data.shard_sequence(sequence, 2, i) for i in range(2)]
+    assert [len(s) for s in shards] == [4, 4]
+    for step in range(4):
+        np.testing.assert_array_equal(np.concatenate([s[step] for s in shards]), np.arange(23)[step * 6:step * 6 + 6])
+    with pytest.raises(IndexError):
+        shards[0][4]  # pylint: disable=pointless-statement
+    shards[1].on_epoch_end()
+    assert sequence.epochs_ended == 1 and shards[0][0].tolist() == [22, 21, 20]
+    assert len(data.shard_sequence(_Rows(np.arange(21), 3), 2, 1)) == 3  # 7 batches: each worker runs 3 steps
+
+
+def test_a_generator_is_sharded_by_batches_and_needs_steps():
+    shards = [list(data.shard_generator(iter(range(7)), 3, i, steps_per_epoch=2)) for i in range(3)]
+    assert shards == [[0, 3, 6], [1, 4], [2, 5]]
+    with pytest.raises(ValueError, match="A generator's length is unknown.*Received: steps_per_epoch=None"):
+        data.shard_generator(iter(range(7)), 2, 0, steps_per_epoch=None)
+    assert data.may_be_uneven(iter(range(7))) and data.may_be_uneven(_Rows(np.arange(4), 2))

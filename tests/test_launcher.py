@@ -233,6 +233,23 @@ def test_workers_draw_their_own_dropout_masks_under_one_global_seed(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_a_script_training_several_models_starts_each_from_worker_0s_weights_quietly(tmp_path):
+    """Eight models trained one after another in one script: each fit starts from worker 0's replicated weights (the
+    workers end with equal weights), and no function of kparallax's is retraced (Horovod's broadcast_variables
+    traced one per model: TensorFlow's retracing warnings on the terminal, beside Keras' own for its train
+    functions)."""
+    run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "worker_behaviour.py"), "several_models"],
+                            log_dir=str(tmp_path), workers=2, ps=1, timeout=120)
+    assert run.returncode == 0, run.report()
+    sums = [re.findall(r"model \d weights sum \S+", run.logs()[f"worker-{i}.log"]) for i in range(2)]
+    assert len(sums[0]) == 8 and sums[1] == sums[0], run.report()
+    # Keras warns about its own train functions retracing, as in one process; nothing else may retrace.
+    with open(tmp_path / "worker-0.log", encoding="utf-8") as f:
+        retraced = set(re.findall(r"calls to <function (\S+) at", f.read()))
+    assert retraced <= {"Model.make_train_function.<locals>.train_function"}, retraced
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["skew_steps", "skew_steps_async"])
 def test_workers_whose_optimizers_are_at_different_steps_stop_with_an_error(tmp_path, mode):
     """Synchronous training checks in every step; asynchronous training (no per-step collective of logs) at the

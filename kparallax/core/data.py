@@ -1,13 +1,18 @@
 """How each worker reads its own shard of the training data.
 
-Arrays (``x``, ``y``, ``sample_weight``: NumPy arrays, tensors, or lists/dicts of them) are split by striding:
-worker ``i`` of ``N`` keeps rows ``i, i+N, i+2N, ...`` after the row count is cut to a multiple of ``N``. With
-``shuffle=False`` and per-worker ``batch_size=B``, step ``k`` then trains on exactly the rows ``[k*N*B, (k+1)*N*B)``
-of the original arrays: the global batch a single process would see with ``batch_size=N*B``.
+Arrays (``x``, ``y``, ``sample_weight``: NumPy arrays, tensors, ``tf.SparseTensor`` and ``tf.RaggedTensor`` inputs,
+or lists/dicts of them) are split by striding: worker ``i`` of ``N`` keeps rows ``i, i+N, i+2N, ...`` after the row
+count is cut to a multiple of ``N``. With ``shuffle=False`` and per-worker ``batch_size=B``, step ``k`` then trains
+on exactly the rows ``[k*N*B, (k+1)*N*B)`` of the original arrays: the global batch a single process would see
+with ``batch_size=N*B``.
 
 A ``tf.data.Dataset`` (already batched, as Keras expects) is split by whole batches: worker ``i`` keeps batches
 ``i, i+N, ...`` (``Dataset.shard``), after the batch count is cut to a multiple of ``N`` so that every worker runs
 the same number of steps. A dataset of unknown length needs ``steps_per_epoch``.
+
+A ``keras.utils.Sequence`` is split by whole batches too (batches ``i, i+N, ...`` of its ``__getitem__``: each
+worker loads its own batches only), a Python generator by drawing every batch and keeping batches ``i, i+N, ...``
+(it needs ``steps_per_epoch``, as a dataset of unknown length does).
 
 A dataset that each worker already reads its own part of (say, its own files) is marked with ``per_worker``;
 ``fit`` then uses it as is, after checking that every worker runs the same number of steps per epoch.
@@ -34,7 +39,18 @@ def shard_arrays(structure, num_workers, index):
     if usable == 0:
         raise ValueError(f"The training data has {n} row(s), fewer than the {num_workers} workers; each worker "
                          f"needs at least one. Received: {n} rows.")
-    return tf.nest.map_structure(lambda a: None if a is None else a[index:usable:num_workers], structure)
+    return tf.nest.map_structure(lambda a: None if a is None else _stride(a, index, usable, num_workers), structure)
+
+
+def _stride(a, index, usable, num_workers):
+    """Rows ``index, index + num_workers, ...`` below ``usable`` of ``a``."""
+    if isinstance(a, tf.SparseTensor):  # not subscriptable: keep the rows' entries, renumber the rows
+        rows = a.indices[:, 0]
+        kept = tf.sparse.retain(a, tf.logical_and(rows < usable, rows % num_workers == index))
+        indices = tf.concat([kept.indices[:, :1] // num_workers, kept.indices[:, 1:]], axis=1)
+        dense_shape = tf.concat([[usable // num_workers], a.dense_shape[1:]], axis=0)
+        return tf.SparseTensor(indices, kept.values, dense_shape)
+    return a[index:usable:num_workers]
 
 
 def shard_dataset(dataset, num_workers, index, steps_per_epoch=None):
@@ -54,10 +70,63 @@ def shard_dataset(dataset, num_workers, index, steps_per_epoch=None):
     return dataset.shard(num_workers, index)
 
 
+class _SequenceShard(tf.keras.utils.Sequence):
+    """Batches ``index, index + N, ...`` of a ``keras.utils.Sequence`` (whole batches, as a dataset is sharded),
+    their count cut to a multiple of ``N``; its ``on_epoch_end`` is the sequence's (every worker calls it)."""
+
+    def __init__(self, sequence, num_workers, index):
+        super().__init__()
+        self._sequence, self._n, self._index = sequence, num_workers, index
+        self._length = len(sequence) // num_workers
+
+    def __len__(self):
+        return self._length
+
+    def __getitem__(self, k):
+        if not 0 <= k < self._length:
+            raise IndexError(f"Batch {k} of a shard of {self._length} batches.")
+        return self._sequence[k * self._n + self._index]
+
+    def on_epoch_end(self):
+        self._sequence.on_epoch_end()
+
+
+def shard_sequence(sequence, num_workers, index):
+    """Worker ``index``'s shard of a ``keras.utils.Sequence``: its batches ``index, index + N, ...``."""
+    batches = len(sequence)
+    if batches < num_workers:
+        raise ValueError(f"The Sequence has {batches} batch(es), fewer than the {num_workers} workers. Use a smaller "
+                         f"batch size or more data. Received: len(sequence)={batches}.")
+    return _SequenceShard(sequence, num_workers, index)
+
+
+def shard_generator(generator, num_workers, index, steps_per_epoch):
+    """Worker ``index``'s shard of a Python generator of batches: every worker draws every batch and keeps batches
+    ``index, index + N, ...`` (as TensorFlow's strategies shard such input); its length is unknown, so every worker
+    needs the same ``steps_per_epoch``."""
+    if steps_per_epoch is None:
+        raise ValueError(
+            "A generator's length is unknown, so kparallax cannot give every worker the same number of steps. Pass "
+            "steps_per_epoch=... (each step takes one batch per worker from the generator). Received: "
+            "steps_per_epoch=None.")
+    return (batch for position, batch in enumerate(generator) if position % num_workers == index)
+
+
+def is_sequence(x):
+    return isinstance(x, tf.keras.utils.Sequence)
+
+
+def is_generator(x):
+    """A Python generator or iterator of batches (what Keras' generator adapter takes), not a Sequence."""
+    return hasattr(x, "__next__") and hasattr(x, "__iter__") and not is_sequence(x)
+
+
 def may_be_uneven(x):
     """Whether the workers' batches of training input ``x`` may differ in size: a dataset whose batch dimension is
-    not fixed (a last, partial batch; ``drop_remainder=True`` fixes it). Sharded arrays give every worker batches of
-    the same sizes."""
+    not fixed (a last, partial batch; ``drop_remainder=True`` fixes it), or a Sequence or generator (their batches
+    are only known when read). Sharded arrays give every worker batches of the same sizes."""
+    if is_sequence(x) or is_generator(x):
+        return True
     if not is_dataset(x):
         return False
     shapes = [spec.shape for spec in tf.nest.flatten(x.element_spec) if hasattr(spec, "shape")]
@@ -69,11 +138,12 @@ def is_dataset(x):
 
 
 def check_supported(x):
-    if x is None or is_dataset(x) or hasattr(x, "shape") or isinstance(x, (list, tuple, dict)):
+    if (x is None or is_dataset(x) or is_sequence(x) or is_generator(x) or hasattr(x, "shape")
+            or isinstance(x, (list, tuple, dict))):
         return
     raise TypeError(
-        "kparallax shards NumPy arrays, tensors and tf.data.Dataset inputs. Generators and keras.utils.Sequence "
-        f"are not supported yet: wrap them in tf.data.Dataset.from_generator. Received: {type(x).__name__}.")
+        "kparallax shards NumPy arrays, tensors, tf.data.Dataset, keras.utils.Sequence and generator inputs. "
+        f"Received: {type(x).__name__}.")
 
 
 _PER_WORKER = "_kparallax_per_worker"

@@ -5,7 +5,6 @@ watches."""
 import os
 import threading
 
-import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from kparallax._compat import tf as tf_compat
@@ -36,7 +35,7 @@ class ReplicatedWeights:
                      if not self._strategy.is_ps_variable(v) and v.ref() not in self._synced]
         tf_compat.async_wait()
         if self._strategy.num_workers > 1 and variables:
-            hvd.broadcast_variables(variables, root_rank=0)
+            collectives.broadcast_variables(variables, name="kp_replicated_weights")
         elif self._strategy.num_workers > 1:
             collectives.eager_barrier(self._strategy.num_workers, name="kp_start_barrier")
         self._synced.update(v.ref() for v in variables)
@@ -74,8 +73,8 @@ class AverageMetrics(tf.keras.callbacks.Callback):
     """Replaces each epoch's logged loss/metrics with their values over all workers (``step/logs.py``).
 
     Keras reads an epoch's logs from the model's metric variables, which hold each worker's own running values:
-    Keras' own metrics are computed from their states summed over the workers (one process's value, also for ratios
-    such as AUC), other float values are averaged. Validation resets those variables before ``on_epoch_end``, so
+    metrics are computed from their states aggregated over the workers (one process's value, also for ratios such
+    as AUC), other float values are averaged. Validation resets those variables before ``on_epoch_end``, so
     with validation the training states are taken when it begins (``on_test_begin``; every worker validates).
     Batch logs are taken over the workers inside the synchronous step instead. Asynchronous PS training does it per
     epoch only: a per-batch collective would put the workers back in lock-step, so its batches show worker 0's own
@@ -94,7 +93,8 @@ class AverageMetrics(tf.keras.callbacks.Callback):
     def _over_workers(self, logs, metrics, tag):
         # A failed step check raises InvalidArgumentError here; ``fit`` (keras_hooks._explained) says it plainly.
         merged = logs_lib.over_workers(dict(logs), metrics, self.model.optimizer.iterations.numpy(),
-                                       self._strategy.num_workers, name=f"kp_metrics_{tag}")
+                                       self._strategy.num_workers, name=f"kp_metrics_{tag}",
+                                       worker_index=self._strategy.worker_index)
         return {key: float(value.numpy()) for key, value in merged.items() if isinstance(value, tf.Tensor)}
 
     def on_epoch_begin(self, epoch, logs=None):

@@ -291,7 +291,8 @@ def _train_step(original, model, data):
     with (statistics, global_losses.workers(strategy.num_workers, share), _worker_random_seed(strategy),
           _in_step(strategy)):
         logs = original(model, data)
-    return logs_lib.over_workers(logs, model.metrics, iterations, strategy.num_workers, "kp_step_logs", share)
+    return logs_lib.over_workers(logs, model.metrics, iterations, strategy.num_workers, "kp_step_logs", share,
+                                 worker_index=strategy.worker_index)
 
 
 @contextlib.contextmanager
@@ -408,6 +409,10 @@ def _fit(original, model, *args, **kwargs):
         _check_same_steps(strategy, data_lib.local_steps(a["x"], a["steps_per_epoch"]))
     elif data_lib.is_dataset(a["x"]):
         a["x"] = data_lib.shard_dataset(a["x"], n, index, a["steps_per_epoch"])
+    elif data_lib.is_sequence(a["x"]):
+        a["x"] = data_lib.shard_sequence(a["x"], n, index)
+    elif data_lib.is_generator(a["x"]):
+        a["x"] = data_lib.shard_generator(a["x"], n, index, a["steps_per_epoch"])
     else:
         arrays = (a["x"], a["y"], a["sample_weight"])
         if a["validation_split"] and a["validation_data"] is None:

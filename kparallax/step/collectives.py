@@ -214,6 +214,28 @@ def any_worker(flag, num_workers, name):
     return bool(sum_over_workers(tf.constant(float(bool(flag))), num_workers, name).numpy() > 0)
 
 
+def broadcast_variables(variables, name):
+    """Assigns worker 0's values to ``variables`` on every worker (eager; every worker passes its variables in the
+    same order): one Horovod broadcast per dtype, of that dtype's variables packed into one flat buffer.
+
+    Horovod's ``broadcast_variables`` traces one ``tf.function`` per list of variables, so a program that trains a
+    few models in one process showed TensorFlow's retracing warnings on the terminal; eager broadcasts trace
+    nothing."""
+    by_dtype = {}
+    for variable in variables:
+        by_dtype.setdefault(variable.dtype.base_dtype, []).append(variable)
+    for dtype in sorted(by_dtype, key=lambda d: d.name):
+        group = by_dtype[dtype]
+        values = [v.read_value() for v in group]  # a preprocessing layer's state may have no static shape
+        received = hvd.broadcast(tf.concat([tf.reshape(value, [-1]) for value in values], axis=0), root_rank=0,
+                                 name=f"{name}_{dtype.name}")
+        offset = 0
+        for variable, value in zip(group, values):
+            size = int(tf.size(value))
+            variable.assign(tf.reshape(received[offset:offset + size], tf.shape(value)))
+            offset += size
+
+
 def eager_barrier(num_workers, name):
     """Blocks until every worker reached this point (eager)."""
     if num_workers > 1:

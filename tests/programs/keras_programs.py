@@ -290,27 +290,193 @@ class _Logged(tf.keras.callbacks.Callback):
         self.epochs.append([float(logs[k]) for k in sorted(logs)])
 
 
+def _binary_data(seed):
+    """Inputs (ids, 3 features) and 0/1 labels (40% ones) for ``_binary_classifier``."""
+    ids, rng = _ids(seed)
+    features = rng.normal(size=(ROWS, 3)).astype(np.float32)
+    return (ids, features), (rng.random(ROWS) < 0.4).astype(np.float32)
+
+
+def _binary_classifier():
+    """Ids through a table, averaged, beside 3 features, into a sigmoid unit; fixed initial weights."""
+    ids_in = tf.keras.Input((LEN,), dtype=tf.int32)
+    features_in = tf.keras.Input((3,))
+    h = tf.keras.layers.GlobalAveragePooling1D()(tf.keras.layers.Embedding(VOCAB, EMB)(ids_in))
+    h = tf.keras.layers.Concatenate()([h, features_in])
+    model = tf.keras.Model([ids_in, features_in], tf.keras.layers.Dense(1, activation="sigmoid")(h))
+    _init(model)
+    return model
+
+
 def ratio_metrics(scope, batch):
     """AUC, precision, recall and accuracy: the logs of every batch and epoch equal one process's (a ratio of sums
     over the global batch is not the average of the workers' ratios), with validation (which resets the metrics
     before the epoch's end)."""
-    ids, rng = _ids(14)
-    features = rng.normal(size=(ROWS, 3)).astype(np.float32)
-    y = (rng.random(ROWS) < 0.4).astype(np.float32)
+    (ids, features), y = _binary_data(14)
     logged = _Logged()
     with scope():
-        ids_in = tf.keras.Input((LEN,), dtype=tf.int32)
-        features_in = tf.keras.Input((3,))
-        h = tf.keras.layers.GlobalAveragePooling1D()(tf.keras.layers.Embedding(VOCAB, EMB)(ids_in))
-        h = tf.keras.layers.Concatenate()([h, features_in])
-        model = tf.keras.Model([ids_in, features_in], tf.keras.layers.Dense(1, activation="sigmoid")(h))
-        _init(model)
+        model = _binary_classifier()
         model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="binary_crossentropy",
                       metrics=[tf.keras.metrics.AUC(), tf.keras.metrics.Precision(thresholds=0.45),
                                tf.keras.metrics.Recall(thresholds=0.45), "accuracy"])
         model.fit([ids, features], y, batch_size=batch, epochs=2, shuffle=False, verbose=0, callbacks=[logged],
                   validation_split=0.25)
     model.logged = [np.array(logged.batches), np.array(logged.epochs)]
+    return model
+
+
+class F1(tf.keras.metrics.Metric):
+    """A user's F1 metric: its own counts (add_weight states, summed across replicas as tf.distribute sums them)."""
+
+    def __init__(self, threshold=0.5, name="f1", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.threshold = threshold
+        self.tp, self.fp, self.fn = (self.add_weight(n, initializer="zeros") for n in ("tp", "fp", "fn"))
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        predicted, y_true = tf.cast(y_pred > self.threshold, tf.float32), tf.cast(y_true, tf.float32)
+        self.tp.assign_add(tf.reduce_sum(predicted * y_true))
+        self.fp.assign_add(tf.reduce_sum(predicted * (1 - y_true)))
+        self.fn.assign_add(tf.reduce_sum((1 - predicted) * y_true))
+
+    def result(self):
+        return 2 * self.tp / (2 * self.tp + self.fp + self.fn + 1e-7)
+
+
+class RowsSeen(tf.keras.metrics.Metric):
+    """A user's count of the rows trained on in the epoch."""
+
+    def __init__(self, name="rows_seen", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.count = self.add_weight("count", initializer="zeros")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.count.assign_add(tf.cast(tf.shape(y_true)[0], tf.float32))
+
+    def result(self):
+        return self.count
+
+
+class LastBatchMean(tf.keras.metrics.Metric):
+    """The last batch's mean prediction: a state aggregated as the MEAN over replicas."""
+
+    def __init__(self, name="last_batch_mean", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.value = self.add_weight("value", initializer="zeros", aggregation=tf.VariableAggregation.MEAN)
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.value.assign(tf.reduce_mean(y_pred))
+
+    def result(self):
+        return self.value
+
+
+class BatchesSeen(tf.keras.metrics.Metric):
+    """A count of the steps in the epoch: the same on every replica, so taken from the first (ONLY_FIRST_REPLICA)."""
+
+    def __init__(self, name="batches_seen", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.count = self.add_weight("count", initializer="zeros",
+                                     aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.count.assign_add(1.0)
+
+    def result(self):
+        return self.count
+
+
+def custom_metric_classes(scope, batch):
+    """Metric subclasses of a user's own (an F1 from its counts, a row count, a state averaged over replicas, a
+    step count taken from the first replica), with ReduceLROnPlateau watching the F1: every batch's and epoch's
+    logs equal one process's."""
+    (ids, features), y = _binary_data(41)
+    logged = _Logged()
+    with scope():
+        model = _binary_classifier()
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="binary_crossentropy",
+                      metrics=[F1(threshold=0.45), RowsSeen(), LastBatchMean(), BatchesSeen()])
+        model.fit([ids, features], y, batch_size=batch, epochs=4, shuffle=False, verbose=0,
+                  callbacks=[logged, tf.keras.callbacks.ReduceLROnPlateau("f1", mode="max", factor=0.5, patience=0)])
+    model.logged = [np.array(logged.batches), np.array(logged.epochs)]
+    return model
+
+
+def sparse_and_ragged_inputs(scope, batch):
+    """Wide and deep: a multi-hot tf.SparseTensor input into a Dense layer (wide) and ragged id lists into a table
+    (deep), fed to fit as tensors."""
+    ids, rng = _ids(51)
+    lengths = rng.integers(1, LEN + 1, size=ROWS)
+    hot = np.array([[r, c] for r in range(ROWS) for c in sorted(set(ids[r].tolist()))], np.int64)
+    wide = tf.SparseTensor(hot, np.ones(len(hot), np.float32), (ROWS, VOCAB))
+    deep = tf.ragged.constant([ids[r, :lengths[r]].tolist() for r in range(ROWS)], dtype=tf.int32)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    with scope():
+        wide_in = tf.keras.Input((VOCAB,), sparse=True)
+        deep_in = tf.keras.Input((None,), dtype=tf.int32, ragged=True)
+        h = tf.keras.layers.Embedding(VOCAB, EMB)(deep_in)
+        h = tf.keras.layers.Lambda(lambda t: tf.reduce_mean(t, axis=1))(h)
+        out = tf.keras.layers.Add()([tf.keras.layers.Dense(1)(wide_in), tf.keras.layers.Dense(1)(h)])
+        model = tf.keras.Model([wide_in, deep_in], out)
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="mse")
+        history = model.fit([wide, deep], y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+    model.logged = [np.array(history.history["loss"])]
+    return model
+
+
+class ShuffledBatches(tf.keras.utils.Sequence):
+    """A user's Sequence: batches of ``x`` and ``y`` (the last one partial), reshuffled at each epoch's end from
+    its own seeded generator (the same order on every worker)."""
+
+    def __init__(self, x, y, batch_size):
+        super().__init__()
+        self.x, self.y, self.batch_size = x, y, batch_size
+        self.order, self.rng = np.arange(len(x)), np.random.default_rng(5)
+
+    def __len__(self):
+        return -(-len(self.x) // self.batch_size)
+
+    def __getitem__(self, k):
+        rows = self.order[k * self.batch_size:(k + 1) * self.batch_size]
+        return self.x[rows], self.y[rows]
+
+    def on_epoch_end(self):
+        self.order = self.rng.permutation(len(self.x))
+
+
+def sequence_input(scope, batch):
+    """fit on a keras.utils.Sequence of 118 rows (a partial last batch: 16 + 6 rows on the workers in the last
+    step), reshuffled by its on_epoch_end."""
+    ids, rng = _ids(61)
+    ids, y = ids[:118], rng.normal(size=(118, 1)).astype(np.float32)
+    with scope():
+        model = tf.keras.Sequential([tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB),
+                                     tf.keras.layers.Flatten(), tf.keras.layers.Dense(1)])
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="mse", metrics=["mae"])
+        history = model.fit(ShuffledBatches(ids, y, batch), epochs=3, verbose=0, shuffle=False)
+    model.logged = [np.array([history.history["loss"], history.history["mae"]])]
+    return model
+
+
+def generator_input(scope, batch):
+    """fit on an endless Python generator of batches, with steps_per_epoch (one process's steps)."""
+    ids, rng = _ids(62)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+
+    def batches():
+        while True:
+            for k in range(0, ROWS, batch):
+                yield ids[k:k + batch], y[k:k + batch]
+
+    with scope():
+        model = tf.keras.Sequential([tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB),
+                                     tf.keras.layers.Flatten(), tf.keras.layers.Dense(1)])
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.05), loss="mse")
+        history = model.fit(batches(), steps_per_epoch=ROWS // (batch * RUN_WORKERS), epochs=2, verbose=0)
+    model.logged = [np.array(history.history["loss"])]
     return model
 
 
@@ -681,7 +847,9 @@ def train_on_batch_loop(scope, batch):
     return model
 
 
-PROGRAMS = {f.__name__: f for f in (ratio_metrics, summed_losses, unreduced_loss, batch_normalization, mixed_float16,
+PROGRAMS = {f.__name__: f for f in (ratio_metrics, custom_metric_classes, sparse_and_ragged_inputs,
+                                    sequence_input, generator_input,
+                                    summed_losses, unreduced_loss, batch_normalization, mixed_float16,
                                     dict_inputs_auc, tf_data_unknown_cardinality, weighted_samples,
                                     mask_zero_lstm_callbacks,
                                     custom_train_step, text_vectorization, lookup_layers, shared_layer, keras_callbacks,

@@ -2,7 +2,7 @@
 
 Usage: worker_behaviour.py MODE (fail_rank1 | same_index | ok | compile_outside | custom_loop | skew_steps |
                                skew_steps_async | virtual_batch | batch_norm_global | batch_norm_per_worker |
-                               dropout_masks)
+                               dropout_masks | several_models)
 """
 
 import os
@@ -128,3 +128,15 @@ if mode == "dropout_masks":
               verbose=0)
     print("dropout mask " + "".join("1" if v else "0" for v in model.seen.numpy().ravel()), flush=True)
     print("flipped rows " + "".join("1" if row[0] else "0" for row in model.flipped.numpy()), flush=True)
+if mode == "several_models":
+    # a script training eight models one after another, each from Keras' random initialization (different on every
+    # worker): each fit starts from worker 0's weights; prints each model's weights' sum after its fit
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    for width in range(1, 9):
+        with strategy.scope():
+            model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(width),
+                                         tf.keras.layers.Dense(1)])
+            model.compile(optimizer="sgd", loss="mse")
+        model.fit(np.ones((8, 3), np.float32), np.ones((8, 1), np.float32), batch_size=4, epochs=1, verbose=0)
+        print(f"model {width} weights sum {sum(float(np.sum(w)) for w in model.get_weights()):.6f}", flush=True)
