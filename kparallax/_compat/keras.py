@@ -357,8 +357,10 @@ class _ScaledLoss:
     below is divided by it. ``SUM``: value and gradient times ``workers``. ``NONE`` (Keras logs the mean of the
     per-example values and differentiates their sum): the gradient times ``workers``. Averaged losses: unchanged
     without a mask (Keras divides by the element count; the share does the rest); under a mask (Keras divides by
-    the valid count) value and gradient times ``workers * valid / valid over all workers``. Every other attribute is
-    the wrapped loss's.
+    the valid count) value and gradient times ``workers * valid / valid over all workers``. A loss function that
+    gives one scalar for the batch, whatever the reduction (Keras leaves a scalar as it is): value and gradient
+    times ``workers`` if it sums over the batch, unchanged if it averages (``_batch_scalar_sums``). Every other
+    attribute is the wrapped loss's.
     """
 
     def __init__(self, loss, scales):
@@ -372,6 +374,12 @@ class _ScaledLoss:
         scales = self._scales()
         if scales is None or scales.workers == 1:
             return value
+        sums = _batch_scalar_sums(self._loss, y_true, y_pred)
+        if sums is not None:  # a mean needs nothing more than an averaged loss does; a sum what reduction "sum" does
+            factor = tf.cast(scales.workers, value.dtype)
+            if scales.rows_share is not None:
+                factor = factor / tf.cast(scales.rows_share, value.dtype)
+            return value * tf.where(sums, factor, tf.ones([], value.dtype))
         if self._loss.reduction in _SUMMED:
             factor = tf.cast(scales.workers, value.dtype)
         else:
@@ -385,6 +393,22 @@ class _ScaledLoss:
         if self._loss.reduction == tf.keras.losses.Reduction.NONE:
             return _scaled(value, 1.0, factor)
         return value * factor
+
+
+def _batch_scalar_sums(loss, y_true, y_pred):
+    """For a loss whose function gives ONE scalar for the whole batch (a user's function ending in
+    ``tf.reduce_sum`` or ``tf.reduce_mean`` over the batch), whether it sums over the batch: a boolean tensor, true
+    when the function's value on the batch repeated twice is nearer twice its value than its value (a mean stays,
+    a sum doubles). None for a loss giving a value per example, which Keras reduces by its ``reduction``.
+
+    The function's output rank is read from a trace of its own, so the step gets no extra ops (and no extra random
+    draws) for a loss that gives a value per example, such as every Keras loss."""
+    specs = [tf.type_spec_from_value(t) for t in (y_true, y_pred)]
+    if tf.function(loss.call).get_concrete_function(*specs).structured_outputs.shape.rank != 0:
+        return None
+    once = loss.call(y_true, y_pred)
+    twice = loss.call(tf.concat([y_true, y_true], axis=0), tf.concat([y_pred, y_pred], axis=0))
+    return tf.abs(twice - 2 * once) < tf.abs(twice - once)
 
 
 def _scaled(value, shown, gradient):

@@ -480,6 +480,36 @@ def generator_input(scope, batch):
     return model
 
 
+def _summed_squares(y_true, y_pred):
+    """A user's loss function summing over the batch: one scalar (Keras leaves it as it is, whatever the reduction)."""
+    return tf.reduce_sum(tf.square(y_true - y_pred))
+
+
+def _mean_absolute(y_true, y_pred):
+    """A user's loss function averaging over the batch: one scalar."""
+    return tf.reduce_mean(tf.abs(y_true - y_pred))
+
+
+def scalar_loss_functions(scope, batch):
+    """Loss functions of a user's own that return one scalar for the batch, one summing over it and one averaging,
+    on two outputs, fed a dataset with a partial last batch (16 + 6 rows on the workers in the last step); SGD, whose
+    step is proportional to the gradient."""
+    ids, rng = _ids(71)
+    y = (rng.normal(size=(118, 1)).astype(np.float32), rng.normal(size=(118, 2)).astype(np.float32))
+    data = tf.data.Dataset.from_tensor_slices((ids[:118], {"summed": y[0], "averaged": y[1]})).batch(batch)
+    with scope():
+        inputs = tf.keras.Input((LEN,), dtype=tf.int32)
+        h = tf.keras.layers.Flatten()(tf.keras.layers.Embedding(VOCAB, EMB)(inputs))
+        model = tf.keras.Model(inputs, {"summed": tf.keras.layers.Dense(1, name="summed")(h),
+                                        "averaged": tf.keras.layers.Dense(2, name="averaged")(h)})
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.002),
+                      loss={"summed": _summed_squares, "averaged": _mean_absolute})
+        history = model.fit(data, epochs=2, verbose=0)
+    model.logged = [np.array([history.history[key] for key in sorted(history.history)])]
+    return model
+
+
 def summed_losses(scope, batch):
     """Two outputs, one loss summed over the batch (reduction "sum") and one averaged, with loss weights and a
     regularized table: one process sums over the global batch."""
@@ -849,7 +879,8 @@ def train_on_batch_loop(scope, batch):
 
 PROGRAMS = {f.__name__: f for f in (ratio_metrics, custom_metric_classes, sparse_and_ragged_inputs,
                                     sequence_input, generator_input,
-                                    summed_losses, unreduced_loss, batch_normalization, mixed_float16,
+                                    summed_losses, scalar_loss_functions, unreduced_loss, batch_normalization,
+                                    mixed_float16,
                                     dict_inputs_auc, tf_data_unknown_cardinality, weighted_samples,
                                     mask_zero_lstm_callbacks,
                                     custom_train_step, text_vectorization, lookup_layers, shared_layer, keras_callbacks,
