@@ -17,6 +17,7 @@
 """
 
 import contextlib
+import functools
 import random
 import sys
 import typing
@@ -374,7 +375,7 @@ class _ScaledLoss:
         scales = self._scales()
         if scales is None or scales.workers == 1:
             return value
-        sums = _batch_scalar_sums(self._loss, y_true, y_pred)
+        sums = _batch_scalar_sums(self._loss.call, y_true, y_pred)
         if sums is not None:  # a mean needs nothing more than an averaged loss does; a sum what reduction "sum" does
             factor = tf.cast(scales.workers, value.dtype)
             if scales.rows_share is not None:
@@ -395,19 +396,19 @@ class _ScaledLoss:
         return value * factor
 
 
-def _batch_scalar_sums(loss, y_true, y_pred):
-    """For a loss whose function gives ONE scalar for the whole batch (a user's function ending in
-    ``tf.reduce_sum`` or ``tf.reduce_mean`` over the batch), whether it sums over the batch: a boolean tensor, true
-    when the function's value on the batch repeated twice is nearer twice its value than its value (a mean stays,
-    a sum doubles). None for a loss giving a value per example, which Keras reduces by its ``reduction``.
+def _batch_scalar_sums(fn, y_true, y_pred):
+    """For a loss or metric function ``fn(y_true, y_pred)`` that gives ONE scalar for the whole batch (a user's
+    function ending in ``tf.reduce_sum`` or ``tf.reduce_mean`` over the batch), whether it sums over the batch: a
+    boolean tensor, true when its value on the batch repeated twice is nearer twice its value than its value (a mean
+    stays, a sum doubles). None for a function giving a value per example, which Keras reduces itself.
 
     The function's output rank is read from a trace of its own, so the step gets no extra ops (and no extra random
-    draws) for a loss that gives a value per example, such as every Keras loss."""
+    draws) for a function that gives a value per example, such as every Keras loss and metric."""
     specs = [tf.type_spec_from_value(t) for t in (y_true, y_pred)]
-    if tf.function(loss.call).get_concrete_function(*specs).structured_outputs.shape.rank != 0:
+    if tf.function(fn).get_concrete_function(*specs).structured_outputs.shape.rank != 0:
         return None
-    once = loss.call(y_true, y_pred)
-    twice = loss.call(tf.concat([y_true, y_true], axis=0), tf.concat([y_pred, y_pred], axis=0))
+    once = fn(y_true, y_pred)
+    twice = fn(tf.concat([y_true, y_true], axis=0), tf.concat([y_pred, y_pred], axis=0))
     return tf.abs(twice - 2 * once) < tf.abs(twice - once)
 
 
@@ -450,6 +451,53 @@ def scale_compiled_losses(model, scales):
             for loss in container._losses]  # pylint: disable=protected-access
 
     container.build = scaled_build
+
+
+def weigh_compiled_metrics(model, scales):
+    """Makes the metric functions of ``model.compiled_metrics`` (a private ``MetricsContainer``: its ``_metrics``
+    and ``_weighted_metrics`` hold ``Metric`` objects once ``build`` ran, at the first call) that give one scalar
+    for the batch update their means as one process's do (``_weigh_batch_scalars``)."""
+    container = getattr(model, "compiled_metrics", None)
+    if container is None:
+        return
+    build = type(container).build
+
+    def weighed_build(y_pred, y_true):
+        build(container, y_pred, y_true)
+        for metric in tf.nest.flatten([container._metrics, container._weighted_metrics]):  # pylint: disable=protected-access
+            if isinstance(metric, tf.keras.metrics.MeanMetricWrapper):
+                _weigh_batch_scalars(metric, scales)
+
+    container.build = weighed_build
+
+
+def _weigh_batch_scalars(metric, scales):
+    """``metric`` (a ``MeanMetricWrapper``) updated, while ``scales()`` (a ``LossScales``) is set, so that its states
+    summed over the workers are one process's when its function gives one scalar for the batch.
+
+    One process adds its global batch's scalar to the mean's total and 1 to its count. The states are summed over
+    the workers (``step/logs.py``), so each worker adds ``value * N`` with weight ``1 / N`` for a sum over the batch
+    (total: the global batch's sum; count: 1), and ``value`` with weight ``share / N`` for a mean (total: the global
+    batch's mean, also when batches differ in size; count: 1). Functions giving a value per example, and updates
+    with a sample weight or a mask, are Keras' own."""
+    update = metric.update_state
+
+    def update_state(y_true, y_pred, sample_weight=None):
+        current = scales()
+        sums = None
+        if current is not None and current.workers > 1 and sample_weight is None:
+            fn = functools.partial(metric._fn, **metric._fn_kwargs)  # pylint: disable=protected-access
+            sums = _batch_scalar_sums(fn, tf.cast(y_true, metric.dtype), tf.cast(y_pred, metric.dtype))
+        if sums is None:
+            return update(y_true, y_pred, sample_weight=sample_weight)
+        value = metric._fn(tf.cast(y_true, metric.dtype), tf.cast(y_pred, metric.dtype),  # pylint: disable=protected-access
+                           **metric._fn_kwargs)  # pylint: disable=protected-access
+        workers = tf.cast(current.workers, value.dtype)
+        share = tf.ones([], value.dtype) if current.rows_share is None else tf.cast(current.rows_share, value.dtype)
+        return tf.keras.metrics.Mean.update_state(metric, value * tf.where(sums, workers, 1.0),
+                                                  sample_weight=tf.where(sums, 1.0, share) / workers)
+
+    metric.update_state = update_state
 
 
 def batch_rows(data):

@@ -23,6 +23,11 @@ traced (``workers``):
   by the count of valid elements, which differs from worker to worker even when the batches do not. The gradient
   is multiplied by ``num_workers * valid / valid over all workers`` (one scalar allreduce per such loss and step),
   and the logged value so that Keras' rows-weighted mean is the global batch's.
+
+A loss or metric function of a user's own that returns one scalar for the batch is told to be a sum or a mean over
+it (its value on the batch repeated twice doubles or stays, ``_compat.keras._batch_scalar_sums``): a summed loss is
+scaled as ``reduction="sum"`` is, and such a metric's mean is updated so that its states summed over the workers are
+one process's (``_compat.keras.weigh_compiled_metrics``).
 """
 
 import contextlib
@@ -37,8 +42,10 @@ _ACTIVE = threading.local()
 
 
 def install(model):
-    """Scales ``model``'s compiled losses inside ``workers``; leaves them alone elsewhere (evaluate)."""
+    """Scales ``model``'s compiled losses, and weighs its compiled metric functions that give one scalar for the
+    batch, inside ``workers``; leaves them alone elsewhere (evaluate)."""
     keras_compat.scale_compiled_losses(model, lambda: getattr(_ACTIVE, "scales", None))
+    keras_compat.weigh_compiled_metrics(model, lambda: getattr(_ACTIVE, "scales", None))
 
 
 def batch_share(data, num_workers):

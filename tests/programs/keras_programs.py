@@ -510,6 +510,32 @@ def scalar_loss_functions(scope, batch):
     return model
 
 
+def _predicted_positives(y_true, y_pred):
+    """A user's metric function counting the batch's predicted positives: one scalar, a sum over the batch."""
+    return tf.reduce_sum(tf.cast(y_pred > 0.5, tf.float32))
+
+
+def _mean_confidence(y_true, y_pred):
+    """A user's metric function averaging over the batch: one scalar."""
+    return tf.reduce_mean(tf.abs(y_pred - 0.5))
+
+
+def scalar_metric_functions(scope, batch):
+    """Metric functions of a user's own that return one scalar for the batch (a count, a mean) next to a Keras
+    metric, on a dataset with a partial last batch (16 + 6 rows on the workers in the last step): every batch's
+    and epoch's logs equal one process's."""
+    (ids, features), y = _binary_data(73)
+    data = tf.data.Dataset.from_tensor_slices(((ids[:118], features[:118]), y[:118])).batch(batch)
+    logged = _Logged()
+    with scope():
+        model = _binary_classifier()
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss="binary_crossentropy",
+                      metrics=[_predicted_positives, _mean_confidence, "accuracy"])
+        model.fit(data, epochs=2, verbose=0, callbacks=[logged])
+    model.logged = [np.array(logged.batches), np.array(logged.epochs)]
+    return model
+
+
 def summed_losses(scope, batch):
     """Two outputs, one loss summed over the batch (reduction "sum") and one averaged, with loss weights and a
     regularized table: one process sums over the global batch."""
@@ -879,8 +905,8 @@ def train_on_batch_loop(scope, batch):
 
 PROGRAMS = {f.__name__: f for f in (ratio_metrics, custom_metric_classes, sparse_and_ragged_inputs,
                                     sequence_input, generator_input,
-                                    summed_losses, scalar_loss_functions, unreduced_loss, batch_normalization,
-                                    mixed_float16,
+                                    summed_losses, scalar_loss_functions, scalar_metric_functions, unreduced_loss,
+                                    batch_normalization, mixed_float16,
                                     dict_inputs_auc, tf_data_unknown_cardinality, weighted_samples,
                                     mask_zero_lstm_callbacks,
                                     custom_train_step, text_vectorization, lookup_layers, shared_layer, keras_callbacks,
