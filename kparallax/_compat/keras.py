@@ -8,7 +8,6 @@
 - An optimizer reads its learning rate from the private ``_learning_rate`` (2.11+) or its ``learning_rate``
   hyper-parameter (legacy) when an update is built: PS-side clones share the worker's variable there, and the
   synchronous PS path puts a tensor read once per step in its place (``learning_rate_value``).
-- Compiled losses are scaled through the private ``LossesContainer._losses`` list (``scale_compiled_losses``).
 - Keras' random layers that keep a ``tf.random.Generator`` (``backend.RandomGenerator``, e.g. ``RandomFlip``) seed
   it, when first used, from the private ``backend._SEED_GENERATOR.generator`` that ``set_random_seed`` sets
   (``worker_seed_generator``).
@@ -17,10 +16,8 @@
 """
 
 import contextlib
-import functools
 import random
 import sys
-import typing
 
 import tensorflow as tf
 
@@ -332,183 +329,6 @@ def replace_weights(model, old_shards, old_sharded, new_shards, new_sharded):
         for name, value in list(vars(layer).items()):
             if value is old_sharded:
                 setattr(layer, name, new_sharded)
-
-
-class LossScales(typing.NamedTuple):
-    """What ``scale_compiled_losses`` scales by in one traced step.
-
-    ``workers``: the worker count. ``rows_share``: this worker's rows over the mean rows per worker (a float32
-    scalar tensor), or None when every worker's batch has the same rows. ``over_workers``: a function giving the sum
-    of a float32 scalar over the workers (a collective), for the valid counts of masked losses.
-    """
-    workers: int
-    rows_share: object
-    over_workers: typing.Callable
-
-
-_SUMMED = (tf.keras.losses.Reduction.SUM, tf.keras.losses.Reduction.NONE)
-_AVERAGED = (tf.keras.losses.Reduction.AUTO, tf.keras.losses.Reduction.SUM_OVER_BATCH_SIZE)
-
-
-class _ScaledLoss:
-    """A compiled loss scaled by ``scales()`` (a ``LossScales``; None: unchanged) so that the workers' average
-    gradient, and the logged value Keras' loss metric weights by the batch's rows, are one process's.
-
-    With ``rows_share`` the step multiplies the worker's whole gradient by it (``global_losses``), so each factor
-    below is divided by it. ``SUM``: value and gradient times ``workers``. ``NONE`` (Keras logs the mean of the
-    per-example values and differentiates their sum): the gradient times ``workers``. Averaged losses: unchanged
-    without a mask (Keras divides by the element count; the share does the rest); under a mask (Keras divides by
-    the valid count) value and gradient times ``workers * valid / valid over all workers``. A loss function that
-    gives one scalar for the batch, whatever the reduction (Keras leaves a scalar as it is): value and gradient
-    times ``workers`` if it sums over the batch, unchanged if it averages (``_batch_scalar_sums``). Every other
-    attribute is the wrapped loss's.
-    """
-
-    def __init__(self, loss, scales):
-        self._loss, self._scales = loss, scales
-
-    def __getattr__(self, name):
-        return getattr(self._loss, name)
-
-    def __call__(self, y_true, y_pred, sample_weight=None):
-        value = self._loss(y_true, y_pred, sample_weight=sample_weight)
-        scales = self._scales()
-        if scales is None or scales.workers == 1:
-            return value
-        sums = _batch_scalar_sums(self._loss.call, y_true, y_pred)
-        if sums is not None:  # a mean needs nothing more than an averaged loss does; a sum what reduction "sum" does
-            factor = tf.cast(scales.workers, value.dtype)
-            if scales.rows_share is not None:
-                factor = factor / tf.cast(scales.rows_share, value.dtype)
-            return value * tf.where(sums, factor, tf.ones([], value.dtype))
-        if self._loss.reduction in _SUMMED:
-            factor = tf.cast(scales.workers, value.dtype)
-        else:
-            valid = _valid_count(self._loss, y_true, y_pred)
-            if valid is None:
-                return value
-            valid = tf.cast(valid, tf.float32)
-            factor = tf.cast(scales.workers * valid / scales.over_workers(valid), value.dtype)
-        if scales.rows_share is not None:
-            factor = factor / tf.cast(scales.rows_share, value.dtype)
-        if self._loss.reduction == tf.keras.losses.Reduction.NONE:
-            return _scaled(value, 1.0, factor)
-        return value * factor
-
-
-def _batch_scalar_sums(fn, y_true, y_pred):
-    """For a loss or metric function ``fn(y_true, y_pred)`` that gives ONE scalar for the whole batch (a user's
-    function ending in ``tf.reduce_sum`` or ``tf.reduce_mean`` over the batch), whether it sums over the batch: a
-    boolean tensor, true when its value on the batch repeated twice is nearer twice its value than its value (a mean
-    stays, a sum doubles). None for a function giving a value per example, which Keras reduces itself.
-
-    The function's output rank is read from a trace of its own, so the step gets no extra ops (and no extra random
-    draws) for a function that gives a value per example, such as every Keras loss and metric."""
-    specs = [tf.type_spec_from_value(t) for t in (y_true, y_pred)]
-    if tf.function(fn).get_concrete_function(*specs).structured_outputs.shape.rank != 0:
-        return None
-    once = fn(y_true, y_pred)
-    twice = fn(tf.concat([y_true, y_true], axis=0), tf.concat([y_pred, y_pred], axis=0))
-    return tf.abs(twice - 2 * once) < tf.abs(twice - once)
-
-
-def _scaled(value, shown, gradient):
-    """``value`` times ``shown``, with its gradient times ``gradient``."""
-    return value * shown + (gradient - shown) * (value - tf.stop_gradient(value))
-
-
-def _valid_count(loss, y_true, y_pred):
-    """The count Keras 2.15's ``Loss.__call__`` divides an averaged loss by when a mask applies (``y_pred``'s
-    Keras mask, and a sparse cross-entropy's ``ignore_class``); None when none does (it divides by the element
-    count)."""
-    masks = []
-    if getattr(y_pred, "_keras_mask", None) is not None:
-        masks.append(tf.cast(y_pred._keras_mask, tf.bool))  # pylint: disable=protected-access
-    ignore_class = (getattr(loss, "_fn_kwargs", None) or {}).get("ignore_class")
-    if ignore_class is not None:
-        valid = tf.not_equal(tf.cast(y_true, tf.int64), ignore_class)
-        if masks and valid.shape.rank == masks[0].shape.rank + 1:
-            valid = tf.squeeze(valid, axis=-1)
-        masks.append(valid)
-    if not masks:
-        return None
-    mask = masks[0] if len(masks) == 1 else tf.logical_and(masks[0], masks[1])
-    return tf.reduce_sum(tf.cast(mask, tf.float32))
-
-
-def scale_compiled_losses(model, scales):
-    """Wraps the losses of ``model.compiled_loss`` (a private ``LossesContainer``: its flat ``_losses`` list exists
-    once ``build`` ran, at the first call) in ``_ScaledLoss(loss, scales)``."""
-    container = getattr(model, "compiled_loss", None)
-    if container is None:
-        return
-    build = type(container).build
-
-    def scaled_build(y_pred):
-        build(container, y_pred)
-        container._losses = [  # pylint: disable=protected-access
-            _ScaledLoss(loss, scales) if getattr(loss, "reduction", None) in _SUMMED + _AVERAGED else loss
-            for loss in container._losses]  # pylint: disable=protected-access
-
-    container.build = scaled_build
-
-
-def weigh_compiled_metrics(model, scales):
-    """Makes the metric functions of ``model.compiled_metrics`` (a private ``MetricsContainer``: its ``_metrics``
-    and ``_weighted_metrics`` hold ``Metric`` objects once ``build`` ran, at the first call) that give one scalar
-    for the batch update their means as one process's do (``_weigh_batch_scalars``)."""
-    container = getattr(model, "compiled_metrics", None)
-    if container is None:
-        return
-    build = type(container).build
-
-    def weighed_build(y_pred, y_true):
-        build(container, y_pred, y_true)
-        for metric in tf.nest.flatten([container._metrics, container._weighted_metrics]):  # pylint: disable=protected-access
-            if isinstance(metric, tf.keras.metrics.MeanMetricWrapper):
-                _weigh_batch_scalars(metric, scales)
-
-    container.build = weighed_build
-
-
-def _weigh_batch_scalars(metric, scales):
-    """``metric`` (a ``MeanMetricWrapper``) updated, while ``scales()`` (a ``LossScales``) is set, so that its states
-    summed over the workers are one process's when its function gives one scalar for the batch.
-
-    One process adds its global batch's scalar to the mean's total and 1 to its count. The states are summed over
-    the workers (``step/logs.py``), so each worker adds ``value * N`` with weight ``1 / N`` for a sum over the batch
-    (total: the global batch's sum; count: 1), and ``value`` with weight ``share / N`` for a mean (total: the global
-    batch's mean, also when batches differ in size; count: 1). Functions giving a value per example, and updates
-    with a sample weight or a mask, are Keras' own."""
-    update = metric.update_state
-
-    def update_state(y_true, y_pred, sample_weight=None):
-        current = scales()
-        sums = None
-        if current is not None and current.workers > 1 and sample_weight is None:
-            fn = functools.partial(metric._fn, **metric._fn_kwargs)  # pylint: disable=protected-access
-            sums = _batch_scalar_sums(fn, tf.cast(y_true, metric.dtype), tf.cast(y_pred, metric.dtype))
-        if sums is None:
-            return update(y_true, y_pred, sample_weight=sample_weight)
-        value = metric._fn(tf.cast(y_true, metric.dtype), tf.cast(y_pred, metric.dtype),  # pylint: disable=protected-access
-                           **metric._fn_kwargs)  # pylint: disable=protected-access
-        workers = tf.cast(current.workers, value.dtype)
-        share = tf.ones([], value.dtype) if current.rows_share is None else tf.cast(current.rows_share, value.dtype)
-        return tf.keras.metrics.Mean.update_state(metric, value * tf.where(sums, workers, 1.0),
-                                                  sample_weight=tf.where(sums, 1.0, share) / workers)
-
-    metric.update_state = update_state
-
-
-def batch_rows(data):
-    """The number of rows of a training step's batch ``data`` (Keras' ``(x, y, sample_weight)``): the first
-    dimension of its first tensor (an int64 scalar tensor)."""
-    first = tf.nest.flatten(data)[0]  # composites stay whole
-    if isinstance(first, tf.SparseTensor):
-        return first.dense_shape[0]
-    if isinstance(first, tf.RaggedTensor):
-        return first.nrows(out_type=tf.int64)
-    return tf.shape(first, out_type=tf.int64)[0]
 
 
 @contextlib.contextmanager

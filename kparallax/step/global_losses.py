@@ -25,9 +25,9 @@ traced (``workers``):
   and the logged value so that Keras' rows-weighted mean is the global batch's.
 
 A loss or metric function of a user's own that returns one scalar for the batch is told to be a sum or a mean over
-it (its value on the batch repeated twice doubles or stays, ``_compat.keras._batch_scalar_sums``): a summed loss is
+it (its value on the batch repeated twice doubles or stays, ``_compat.keras_losses._batch_scalar_sums``): a summed loss is
 scaled as ``reduction="sum"`` is, and such a metric's mean is updated so that its states summed over the workers are
-one process's (``_compat.keras.weigh_compiled_metrics``).
+one process's (``_compat.keras_losses.weigh_compiled_metrics``).
 """
 
 import contextlib
@@ -35,7 +35,7 @@ import threading
 
 import tensorflow as tf
 
-from kparallax._compat import keras as keras_compat
+from kparallax._compat import keras_losses
 from kparallax.step import collectives
 
 _ACTIVE = threading.local()
@@ -44,14 +44,14 @@ _ACTIVE = threading.local()
 def install(model):
     """Scales ``model``'s compiled losses, and weighs its compiled metric functions that give one scalar for the
     batch, inside ``workers``; leaves them alone elsewhere (evaluate)."""
-    keras_compat.scale_compiled_losses(model, lambda: getattr(_ACTIVE, "scales", None))
-    keras_compat.weigh_compiled_metrics(model, lambda: getattr(_ACTIVE, "scales", None))
+    keras_losses.scale_compiled_losses(model, lambda: getattr(_ACTIVE, "scales", None))
+    keras_losses.weigh_compiled_metrics(model, lambda: getattr(_ACTIVE, "scales", None))
 
 
 def batch_share(data, num_workers):
     """``num_workers * rows / rows over all workers`` for this worker's batch ``data`` (a float32 scalar; a
     collective)."""
-    rows = tf.cast(keras_compat.batch_rows(data), tf.float32)
+    rows = tf.cast(keras_losses.batch_rows(data), tf.float32)
     return num_workers * rows / collectives.sum_over_workers(rows, num_workers, name="kp_batch_rows")
 
 
@@ -68,7 +68,7 @@ def workers(num_workers, rows_share=None):
     this worker's part by its valid count, and with ``rows_share`` (from ``batch_share``, when batches may differ in
     size) the worker's gradients are weighted by its share of the global batch (``gradient_share``)."""
     previous = getattr(_ACTIVE, "scales", None)
-    _ACTIVE.scales = keras_compat.LossScales(
+    _ACTIVE.scales = keras_losses.LossScales(
         num_workers, rows_share,
         lambda count: collectives.sum_over_workers(count, num_workers, name="kp_valid_count"))
     try:
