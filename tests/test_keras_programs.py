@@ -1,7 +1,7 @@
 """Ordinary Keras programs (dict inputs + AUC, Metric subclasses of a user's own, tf.SparseTensor and ragged inputs, a keras.utils.Sequence and a generator, tf.data of unknown length and of known length with sample weights, class_weight with a regularized table,
 mask_zero + LSTM with validation_split and Keras callbacks, a custom train_step, an adapted TextVectorization, the lookup/hashing/normalization/discretization layers, two models sharing a layer,
 ModelCheckpoint/CSVLogger/TensorBoard(histograms)/BackupAndRestore, mixed_float16, BatchNormalization with global
-statistics, losses reduced by "sum" and "none", loss and metric functions returning one scalar (a sum, a mean), a dataset with a partial last batch (compiled losses; a custom train_step's own loss through BatchNormalization and an activity regularizer), masked per-step losses (mask_zero, ignore_class), weighted_metrics, Conv1D + GRU with validation_data and
+statistics, losses reduced by "sum" and "none", loss and metric functions returning one scalar (a sum, a mean), a model trained by add_loss alone, a dataset with a partial last batch (compiled losses; a custom train_step's own loss through BatchNormalization and an activity regularizer), masked per-step losses (mask_zero, ignore_class), weighted_metrics, Conv1D + GRU with validation_data and
 evaluate, a stateful LSTM, run_eagerly without tables, a second optimizer in a custom train_step, fine-tuning a frozen base after compiling again, compute_loss overridden,
 a train_on_batch loop from per-worker
 random initializations) on 2 workers + 1 PS equal the same programs in one plain process on

@@ -120,7 +120,8 @@ def _valid_count(loss, y_true, y_pred):
 
 def scale_compiled_losses(model, scales):
     """Wraps the losses of ``model.compiled_loss`` (a private ``LossesContainer``: its flat ``_losses`` list exists
-    once ``build`` ran, at the first call) in ``_ScaledLoss(loss, scales)``."""
+    once ``build`` ran, at the first call) in ``_ScaledLoss(loss, scales)``, and weighs the loss it logs when no
+    compiled loss gives it the batch's rows (``_weigh_rowless_mean``)."""
     container = getattr(model, "compiled_loss", None)
     if container is None:
         return
@@ -131,8 +132,27 @@ def scale_compiled_losses(model, scales):
         container._losses = [  # pylint: disable=protected-access
             _ScaledLoss(loss, scales) if getattr(loss, "reduction", None) in _SUMMED + _AVERAGED else loss
             for loss in container._losses]  # pylint: disable=protected-access
+        _weigh_rowless_mean(container._total_loss_mean, scales)  # pylint: disable=protected-access
 
     container.build = scaled_build
+
+
+def _weigh_rowless_mean(metric, scales):
+    """Keras' logged loss (a ``Mean``), updated once per step with the step's total loss weighted by the batch's rows,
+    or, when no compiled loss gives the rows (a model trained by ``add_loss`` alone), with no weight. Then, while
+    ``scales()`` is set, this worker's value is weighted by ``share / N``: its states summed over the workers are one
+    process's (the global batch's mean; count 1), also when batches differ in size, where each worker's mean counted
+    alike was seen 0.0005 off one process's log."""
+    update = metric.update_state
+
+    def update_state(values, sample_weight=None):
+        current = scales()
+        if current is None or current.workers == 1 or sample_weight is not None:
+            return update(values, sample_weight=sample_weight)
+        share = 1.0 if current.rows_share is None else tf.cast(current.rows_share, tf.float32)
+        return update(values, sample_weight=share / float(current.workers))
+
+    metric.update_state = update_state
 
 
 def weigh_compiled_metrics(model, scales):

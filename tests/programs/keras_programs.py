@@ -536,6 +536,36 @@ def scalar_metric_functions(scope, batch):
     return model
 
 
+class _AutoEncoder(tf.keras.Model):
+    """Ids through a table, squeezed to 3 units and back, trained by an added loss alone (no compiled loss)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = tf.keras.layers.Embedding(VOCAB, EMB)
+        self.down, self.up = tf.keras.layers.Dense(3), tf.keras.layers.Dense(LEN * EMB)
+
+    def call(self, ids):
+        embedded = tf.reshape(self.table(ids), (-1, LEN * EMB))
+        restored = self.up(self.down(embedded))
+        self.add_loss(tf.reduce_mean(tf.square(restored - tf.stop_gradient(embedded))))
+        return restored
+
+
+def added_loss_only(scope, batch):
+    """A model trained by add_loss alone, fed ids only, from a dataset with a partial last batch (16 + 6 rows on the
+    workers in the last step): weights and the logged loss equal one process's."""
+    ids, _ = _ids(112)
+    data = tf.data.Dataset.from_tensor_slices(ids[:118]).batch(batch)
+    with scope():
+        model = _AutoEncoder()
+        model(ids[:2])
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.1))
+        history = model.fit(data, epochs=2, verbose=0)
+    model.logged = [np.array(history.history["loss"])]
+    return model
+
+
 def summed_losses(scope, batch):
     """Two outputs, one loss summed over the batch (reduction "sum") and one averaged, with loss weights and a
     regularized table: one process sums over the global batch."""
@@ -905,8 +935,8 @@ def train_on_batch_loop(scope, batch):
 
 PROGRAMS = {f.__name__: f for f in (ratio_metrics, custom_metric_classes, sparse_and_ragged_inputs,
                                     sequence_input, generator_input,
-                                    summed_losses, scalar_loss_functions, scalar_metric_functions, unreduced_loss,
-                                    batch_normalization, mixed_float16,
+                                    summed_losses, scalar_loss_functions, scalar_metric_functions, added_loss_only,
+                                    unreduced_loss, batch_normalization, mixed_float16,
                                     dict_inputs_auc, tf_data_unknown_cardinality, weighted_samples,
                                     mask_zero_lstm_callbacks,
                                     custom_train_step, text_vectorization, lookup_layers, shared_layer, keras_callbacks,
