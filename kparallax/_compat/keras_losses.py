@@ -16,6 +16,7 @@ import typing
 
 import tensorflow as tf
 
+
 class LossScales(typing.NamedTuple):
     """What ``scale_compiled_losses`` scales by in one traced step.
 
@@ -57,12 +58,10 @@ class _ScaledLoss:
         scales = self._scales()
         if scales is None or scales.workers == 1:
             return value
-        sums = _batch_scalar_sums(self._loss.call, y_true, y_pred)
+        _, sums = _batch_scalar_sums(self._loss.call, y_true, y_pred)
         if sums is not None:  # a mean needs nothing more than an averaged loss does; a sum what reduction "sum" does
-            factor = tf.cast(scales.workers, value.dtype)
-            if scales.rows_share is not None:
-                factor = factor / tf.cast(scales.rows_share, value.dtype)
-            return value * tf.where(sums, factor, tf.ones([], value.dtype))
+            summed = _over_share(tf.cast(scales.workers, value.dtype), scales)
+            return value * tf.where(sums, summed, tf.ones([], value.dtype))
         if self._loss.reduction in _SUMMED:
             factor = tf.cast(scales.workers, value.dtype)
         else:
@@ -71,27 +70,38 @@ class _ScaledLoss:
                 return value
             valid = tf.cast(valid, tf.float32)
             factor = tf.cast(scales.workers * valid / scales.over_workers(valid), value.dtype)
-        if scales.rows_share is not None:
-            factor = factor / tf.cast(scales.rows_share, value.dtype)
+        factor = _over_share(factor, scales)
         if self._loss.reduction == tf.keras.losses.Reduction.NONE:
             return _scaled(value, 1.0, factor)
         return value * factor
 
 
+def _share(scales, dtype):
+    """This worker's share of the global batch (``rows_share``; 1 when every worker's batch has the same rows)."""
+    return tf.ones([], dtype) if scales.rows_share is None else tf.cast(scales.rows_share, dtype)
+
+
+def _over_share(factor, scales):
+    """``factor`` divided by this worker's share of the global batch when batches differ in size: the step then
+    multiplies the worker's whole gradient by that share (``global_losses``)."""
+    return factor if scales.rows_share is None else factor / tf.cast(scales.rows_share, factor.dtype)
+
+
 def _batch_scalar_sums(fn, y_true, y_pred):
     """For a loss or metric function ``fn(y_true, y_pred)`` that gives ONE scalar for the whole batch (a user's
-    function ending in ``tf.reduce_sum`` or ``tf.reduce_mean`` over the batch), whether it sums over the batch: a
-    boolean tensor, true when its value on the batch repeated twice is nearer twice its value than its value (a mean
-    stays, a sum doubles). None for a function giving a value per example, which Keras reduces itself.
+    function ending in ``tf.reduce_sum`` or ``tf.reduce_mean`` over the batch): its value, and whether it sums over
+    the batch, a boolean tensor, true when its value on the batch repeated twice is nearer twice its value than its
+    value (a mean stays, a sum doubles). ``(None, None)`` for a function giving a value per example, which Keras
+    reduces itself.
 
     The function's output rank is read from a trace of its own, so the step gets no extra ops (and no extra random
     draws) for a function that gives a value per example, such as every Keras loss and metric."""
     specs = [tf.type_spec_from_value(t) for t in (y_true, y_pred)]
     if tf.function(fn).get_concrete_function(*specs).structured_outputs.shape.rank != 0:
-        return None
+        return None, None
     once = fn(y_true, y_pred)
     twice = fn(tf.concat([y_true, y_true], axis=0), tf.concat([y_pred, y_pred], axis=0))
-    return tf.abs(twice - 2 * once) < tf.abs(twice - once)
+    return once, tf.abs(twice - 2 * once) < tf.abs(twice - once)
 
 
 def _scaled(value, shown, gradient):
@@ -125,16 +135,26 @@ def scale_compiled_losses(model, scales):
     container = getattr(model, "compiled_loss", None)
     if container is None:
         return
-    build = type(container).build
 
-    def scaled_build(y_pred):
-        build(container, y_pred)
+    def scale():
         container._losses = [  # pylint: disable=protected-access
             _ScaledLoss(loss, scales) if getattr(loss, "reduction", None) in _SUMMED + _AVERAGED else loss
             for loss in container._losses]  # pylint: disable=protected-access
         _weigh_rowless_mean(container._total_loss_mean, scales)  # pylint: disable=protected-access
 
-    container.build = scaled_build
+    _after_build(container, scale)
+
+
+def _after_build(container, hook):
+    """Runs ``hook()`` after the one-time ``build`` of ``container`` (a ``LossesContainer`` or ``MetricsContainer``),
+    which makes its loss and metric objects at the first call."""
+    build = type(container).build
+
+    def build_then_hook(*args, **kwargs):
+        build(container, *args, **kwargs)
+        hook()
+
+    container.build = build_then_hook
 
 
 def _weigh_rowless_mean(metric, scales):
@@ -149,8 +169,7 @@ def _weigh_rowless_mean(metric, scales):
         current = scales()
         if current is None or current.workers == 1 or sample_weight is not None:
             return update(values, sample_weight=sample_weight)
-        share = 1.0 if current.rows_share is None else tf.cast(current.rows_share, tf.float32)
-        return update(values, sample_weight=share / float(current.workers))
+        return update(values, sample_weight=_share(current, tf.float32) / float(current.workers))
 
     metric.update_state = update_state
 
@@ -162,15 +181,13 @@ def weigh_compiled_metrics(model, scales):
     container = getattr(model, "compiled_metrics", None)
     if container is None:
         return
-    build = type(container).build
 
-    def weighed_build(y_pred, y_true):
-        build(container, y_pred, y_true)
+    def weigh():
         for metric in tf.nest.flatten([container._metrics, container._weighted_metrics]):  # pylint: disable=protected-access
             if isinstance(metric, tf.keras.metrics.MeanMetricWrapper):
                 _weigh_batch_scalars(metric, scales)
 
-    container.build = weighed_build
+    _after_build(container, weigh)
 
 
 def _weigh_batch_scalars(metric, scales):
@@ -186,18 +203,16 @@ def _weigh_batch_scalars(metric, scales):
 
     def update_state(y_true, y_pred, sample_weight=None):
         current = scales()
-        sums = None
+        value = sums = None
         if current is not None and current.workers > 1 and sample_weight is None:
             fn = functools.partial(metric._fn, **metric._fn_kwargs)  # pylint: disable=protected-access
-            sums = _batch_scalar_sums(fn, tf.cast(y_true, metric.dtype), tf.cast(y_pred, metric.dtype))
+            value, sums = _batch_scalar_sums(fn, tf.cast(y_true, metric.dtype), tf.cast(y_pred, metric.dtype))
         if sums is None:
             return update(y_true, y_pred, sample_weight=sample_weight)
-        value = metric._fn(tf.cast(y_true, metric.dtype), tf.cast(y_pred, metric.dtype),  # pylint: disable=protected-access
-                           **metric._fn_kwargs)  # pylint: disable=protected-access
         workers = tf.cast(current.workers, value.dtype)
-        share = tf.ones([], value.dtype) if current.rows_share is None else tf.cast(current.rows_share, value.dtype)
         return tf.keras.metrics.Mean.update_state(metric, value * tf.where(sums, workers, 1.0),
-                                                  sample_weight=tf.where(sums, 1.0, share) / workers)
+                                                  sample_weight=tf.where(sums, 1.0, _share(current, value.dtype))
+                                                  / workers)
 
     metric.update_state = update_state
 
