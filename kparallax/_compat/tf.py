@@ -3,8 +3,11 @@
 Versions: TensorFlow 2.15 (seen 2.15.1). Each function names the private API it touches.
 """
 
+import contextlib
+
 import tensorflow as tf
 from tensorflow.python.distribute import sharded_variable as _sharded
+from tensorflow.python.eager import backprop as _backprop
 from tensorflow.python.eager import context as _context
 from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import func_graph as _func_graph
@@ -109,3 +112,48 @@ def enter_graph(graph):
         with graph.as_default(), _ops.control_dependencies(None):
             yield
     return scope()
+
+
+@contextlib.contextmanager
+def recording_gradients(record):
+    """While active, every ``tf.GradientTape.gradient`` call in this process hands ``record(sources, gradients)``
+    what it returns (then returns it). The public method is swapped on TensorFlow's class
+    (``tensorflow.python.eager.backprop.GradientTape``, which ``tf.GradientTape`` is) for the duration: Keras'
+    ``train_step`` and a user's reach it through ``tape.gradient`` or an optimizer's ``compute_gradients``."""
+    original = _backprop.GradientTape.gradient
+
+    def gradient(self, target, sources, *args, **kwargs):
+        result = original(self, target, sources, *args, **kwargs)
+        record(sources, result)
+        return result
+
+    _backprop.GradientTape.gradient = gradient
+    try:
+        yield
+    finally:
+        _backprop.GradientTape.gradient = original
+
+
+def captured_from(tensor):
+    """The tensor of an enclosing graph that ``tensor`` (a placeholder of a tf.function or cond/while body graph)
+    captures, or None (``FuncGraph.captures``: (external, internal) pairs)."""
+    graph = tensor.graph
+    if not isinstance(graph, _func_graph.FuncGraph):
+        return None
+    for external, internal in graph.captures:
+        if internal is tensor:
+            return external
+    return None
+
+
+def copy_op(op, inputs):
+    """A copy of graph op ``op`` in the current graph, with ``inputs`` instead of its own (same type and attributes,
+    a new name; private ``Graph._create_op_internal``, which captures inputs of enclosing graphs). Returns its
+    outputs."""
+    graph = _ops.get_default_graph()
+    attrs = {key: value for key, value in op.node_def.attr.items() if not key.startswith("_class")}
+    with tf.device(op.device) if op.device else contextlib.nullcontext():
+        copied = graph._create_op_internal(  # pylint: disable=protected-access
+            op.type, list(inputs), dtypes=[t.dtype for t in op.outputs], attrs=attrs,
+            name=op.name.split("/")[-1])
+    return list(copied.outputs)

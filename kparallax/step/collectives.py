@@ -34,7 +34,7 @@ def tie(tensor, tokens):
     return tensor + tf.cast(ready(tokens) - 1, tensor.dtype)
 
 
-def average_gradients(grads_and_vars, num_workers, compression="none", sparse_as_dense=False):
+def average_gradients(grads_and_vars, num_workers, compression="none", sparse_as_dense=False, name="kp"):
     """Averages gradients of replicated variables across workers, one Horovod collective per gradient.
 
     Dense gradients are allreduced; ``tf.IndexedSlices`` are allgathered (values and indices, Horovod's default)
@@ -49,6 +49,7 @@ def average_gradients(grads_and_vars, num_workers, compression="none", sparse_as
       num_workers: Horovod size.
       compression: ``"none"`` or ``"fp16"`` (dense tensors travel as float16).
       sparse_as_dense: densify IndexedSlices before reducing.
+      name: prefix of the collectives' names.
 
     Returns:
       List of (averaged gradient, variable), in the same order.
@@ -61,12 +62,12 @@ def average_gradients(grads_and_vars, num_workers, compression="none", sparse_as
     out = []
     for i, grad in enumerate(grads):
         if isinstance(grad, tf.IndexedSlices):
-            values = hvd.allgather(grad.values, name=f"kp_replicated_sparse_values_{i}")
-            indices = hvd.allgather(tf.cast(grad.indices, tf.int64), name=f"kp_replicated_sparse_indices_{i}")
+            values = hvd.allgather(grad.values, name=f"{name}_replicated_sparse_values_{i}")
+            indices = hvd.allgather(tf.cast(grad.indices, tf.int64), name=f"{name}_replicated_sparse_indices_{i}")
             out.append(tf.IndexedSlices(values / tf.cast(num_workers, values.dtype), indices, grad.dense_shape))
         else:
             out.append(hvd.allreduce(grad, op=hvd.Average, compression=_COMPRESSION[compression],
-                                     name=f"kp_dense_grad_{i}"))
+                                     name=f"{name}_dense_grad_{i}"))
     return list(zip(out, variables))
 
 

@@ -3,9 +3,10 @@
 ``wrap(optimizer, step)`` returns an optimizer of the user's class (same hyper-parameters) whose
 ``apply_gradients`` builds the step:
 
-  1. when the workers' batches may differ in size, weight each gradient by this worker's share of the global batch
-     (``global_losses``); split the gradients: replicated variables vs PS variables (the strategy's registry
-     decides);
+  1. a custom ``train_step``'s transformation of its gradients that averaging does not commute with (a clip) is
+     set apart, to be made on averaged tape outputs (``gradient_transforms``); when the workers' batches may differ
+     in size, weight each gradient by this worker's share of the global batch (``global_losses``); split the
+     gradients: replicated variables vs PS variables (the strategy's registry decides);
   2. PS path (``ps_sync.SyncPs`` or ``ps_async.AsyncPs``): push; the step's last push updates on the PS;
   3. dense path: one Horovod allreduce per gradient (``collectives.average_gradients``; each starts when its
      gradient exists, Horovod fuses what is ready), applied locally by the user's optimizer, while the PS path is
@@ -24,6 +25,7 @@ from kparallax._compat import keras as keras_compat
 from kparallax.step import accumulation
 from kparallax.step import collectives
 from kparallax.step import global_losses
+from kparallax.step import gradient_transforms
 
 _KNOWN = ("sgd", "adam", "adagrad", "rmsprop", "adamax", "nadam", "adadelta", "ftrl", "adamw", "lion")
 
@@ -108,9 +110,10 @@ class Step:
                          self.options.compression)
         return dense, ps
 
-    def build(self, optimizer, dense, ps, apply_dense):
+    def build(self, optimizer, dense, ps, apply_dense, replay=None):
         """Builds one step for ``dense`` and ``ps`` (lists of (gradient, variable)); ``apply_dense`` applies the
-        averaged dense gradients with the user's optimizer. Returns the op Keras' step waits for."""
+        averaged dense gradients with the user's optimizer, with those ``replay`` (a ``gradient_transforms.Replay``
+        or None) computes from averaged tape outputs. Returns the op Keras' step waits for."""
         if self.options.sparse_as_dense and keras_compat.clipping(optimizer):
             sparse = [v.name for g, v in dense if isinstance(g, tf.IndexedSlices)]
             if sparse:
@@ -121,11 +124,15 @@ class Step:
                     f"gradients of {sparse}. Use sparse_as_dense=False (the default).")
         ps_step = self.ps_path.build(ps) if ps else None
         keep = list(ps_step.keep) if ps_step else []
-        counters = self._count_sent(dense, ps_step.sent_bytes if ps_step else tf.constant(0, tf.int64))
+        counters = self._count_sent(dense + (replay.leaf_pairs if replay else []),
+                                    ps_step.sent_bytes if ps_step else tf.constant(0, tf.int64))
         applied = None
-        if dense:
+        if dense or replay:
             averaged = collectives.average_gradients(dense, self.num_workers, compression=self.options.compression,
                                                      sparse_as_dense=self.options.sparse_as_dense)
+            if replay:
+                averaged = replay.merge(averaged, replay.run(self.num_workers, global_losses.gradient_share(),
+                                                             self.options.compression))
             applied = apply_dense(averaged)
         if ps_step is not None and self.options.sync:
             keep.append(collectives.barrier(self.num_workers, ps_step.tokens, name="kp_step_done"))
@@ -155,7 +162,11 @@ def route(optimizer, step, grads_and_vars, apply_dense):
     """Builds ``step`` for ``grads_and_vars`` of ``optimizer``: weighted by this worker's share of the global batch
     when batches may differ in size, split, optionally accumulated, exchanged; ``apply_dense(averaged)`` applies the
     averaged replicated gradients with the user's optimizer. Returns the op Keras' step waits for."""
-    dense, ps = step.split(_weighted(list(grads_and_vars), global_losses.gradient_share()))
+    grads_and_vars = list(grads_and_vars)
+    replay = gradient_transforms.plan(grads_and_vars, step.is_ps_variable, step.num_workers,
+                                      accumulating=step.accumulator is not None)
+    local = replay.local if replay else grads_and_vars
+    dense, ps = step.split(_weighted(local, global_losses.gradient_share()))
     if ps and tf.executing_eagerly():
         raise ValueError(
             "A model with PS variables cannot train eagerly under HybridStrategy: the PS path of its step (pushes "
@@ -169,7 +180,7 @@ def route(optimizer, step, grads_and_vars, apply_dense):
                          f"{len(ps)} PS variable(s), e.g. {ps[0][1].name!r}.")
 
     def build(dense, ps):
-        return step.build(optimizer, dense, ps, apply_dense)
+        return step.build(optimizer, dense, ps, apply_dense, replay)
 
     if step.accumulator is not None:
         return step.accumulator.accumulate_then(dense + ps, lambda averaged: build(*step.split(averaged)))

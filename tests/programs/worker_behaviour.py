@@ -2,7 +2,7 @@
 
 Usage: worker_behaviour.py MODE (fail_rank1 | same_index | ok | compile_outside | custom_loop | skew_steps |
                                skew_steps_async | virtual_batch | batch_norm_global | batch_norm_per_worker |
-                               dropout_masks | several_models)
+                               dropout_masks | several_models | clip_refused | clip_accumulated)
 """
 
 import os
@@ -19,7 +19,8 @@ import kparallax as kp
 
 try:
     strategy = kp.HybridStrategy(kp.Cluster.from_env(), sync=mode != "skew_steps_async",
-                                 sync_batch_norm=mode != "batch_norm_per_worker")
+                                 sync_batch_norm=mode != "batch_norm_per_worker",
+                                 backward_passes_per_step=2 if mode == "clip_accumulated" else 1)
 except (ValueError, ConnectionError) as e:
     print(f"kparallax error: {e}", file=sys.stderr, flush=True)
     sys.exit(2)
@@ -140,3 +141,47 @@ if mode == "several_models":
             model.compile(optimizer="sgd", loss="mse")
         model.fit(np.ones((8, 3), np.float32), np.ones((8, 1), np.float32), batch_size=4, epochs=1, verbose=0)
         print(f"model {width} weights sum {sum(float(np.sum(w)) for w in model.get_weights()):.6f}", flush=True)
+if mode in ("clip_refused", "clip_accumulated"):
+    # custom train_steps transforming their gradients in ways kparallax cannot make one process's: clipping by a
+    # global norm that spans a PS table's gradient, scaling by the worker's own loss, clipping under accumulation
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    class Transformed(tf.keras.Model):
+        def __init__(self, transform):
+            super().__init__()
+            self.table = tf.keras.layers.Embedding(10, 2, name="table")
+            self.out = tf.keras.layers.Dense(1, name="out")
+            self.transform = transform
+
+        def call(self, ids):
+            return self.out(tf.reduce_mean(self.table(ids), axis=1))
+
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(self(x) - y))
+            grads = self.transform(tape.gradient(loss, self.trainable_variables), loss)
+            self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+            return {"loss": loss}
+
+    def dense_only(grads, clip):
+        return grads[:1] + clip(grads[1:])
+
+    cases = {"clip_refused": {
+        "global norm over all": lambda grads, loss: tf.clip_by_global_norm(grads, 0.1)[0],
+        "scaled by the loss": lambda grads, loss: dense_only(grads, lambda gs: [g / (loss + 1.0) for g in gs]),
+    }, "clip_accumulated": {
+        "clipped, accumulated": lambda grads, loss: dense_only(grads, lambda gs: tf.clip_by_global_norm(gs, 0.1)[0]),
+    }}[mode]
+    for case, transform in cases.items():
+        with strategy.scope():
+            model = Transformed(transform)
+            model(np.zeros((1, 3), np.int32))
+            model.compile(optimizer="sgd")
+        try:
+            model.fit(np.ones((8, 3), np.int32), np.ones((8, 1), np.float32), batch_size=2, verbose=0)
+        except ValueError as e:
+            print(f"{case} refused: {e}", flush=True)
+        else:
+            sys.exit(f"{case}: trained silently")

@@ -1,0 +1,341 @@
+"""A custom ``train_step``'s own transformation of its gradients, made on the global batch's gradients.
+
+One process's custom ``train_step`` takes the global batch's gradient from its tape and may transform it before
+``apply_gradients``: ``tf.clip_by_global_norm`` (the reference LM1B model clips its LSTM's gradients so),
+``tf.clip_by_value``, a normalization. Under kparallax the tape gives each worker the gradient of its own batch, and
+the exchange happens inside ``apply_gradients``, after the transformation. Averaging after it is one process's math
+only when the transformation is affine in the gradients with coefficients that are the same on every worker (a
+constant factor, mixed precision's loss scale, a sum of gradients); a norm or a clip acted on each worker's gradient
+and trained differently from one process (0.028 off on the test program), silently.
+
+While the synchronous step is traced (``recording``), every ``tape.gradient`` result is recorded. ``plan`` looks at
+each gradient reaching the routing optimizer and walks its graph back to the recorded tape outputs:
+
+* a tape output itself, or an affine function of tape outputs with worker-independent coefficients (constants,
+  variable reads): averaged as before, since averaging commutes with it;
+* any other function of replicated variables' tape outputs and worker-independent values is *replayed*: the tape
+  outputs it reads are averaged over the workers (each weighted by the worker's share of the global batch when
+  batches differ in size), the ops between them and the gradient are copied with the averages as inputs, and the
+  result is applied as it is: one process's transformation of one process's gradient. Only its result is replayed:
+  a value the ``train_step`` returns from the transformation (the norm ``tf.clip_by_global_norm`` gives back) stays
+  this worker's;
+* a transformation that reads a PS variable's tape output, values of this worker's own beside the gradients (its
+  batch, its loss), or holds a stateful op, or one under gradient accumulation, cannot be made one process's: it is
+  refused at the first step, naming the op.
+"""
+
+import contextlib
+import dataclasses
+import threading
+from typing import Dict, List
+
+import tensorflow as tf
+
+from kparallax._compat import tf as tf_compat
+from kparallax.step import collectives
+
+_ACTIVE = threading.local()
+
+# Kinds of tensors: the same on every worker; this worker's own (its batch, its loss; no tape output in it); an
+# affine function of tape outputs with worker-independent coefficients; a tape output's ids (reshaped or cast);
+# anything else that depends on tape outputs.
+SAME, LOCAL, AFFINE, IDS, OTHER = "same", "local", "affine", "ids", "other"
+
+_SHAPE_ONLY = {"Shape", "ShapeN", "Size", "Rank", "ZerosLike", "OnesLike"}
+_READS = {"ReadVariableOp", "VarHandleOp", "ResourceGather"}
+_KEEP_IDS = {"Identity", "Snapshot", "Cast", "Reshape", "ExpandDims", "Squeeze", "EnsureShape", "ConcatV2"}
+# Linear in each gradient input, given worker-independent other inputs; ids allowed only where an op takes ids.
+_LINEAR = {"Identity", "IdentityN", "Snapshot", "Cast", "Reshape", "ExpandDims", "Squeeze", "EnsureShape",
+           "Transpose", "Neg", "StridedSlice", "Slice", "Pack", "Unpack", "ConcatV2", "Split", "SplitV", "GatherV2",
+           "BroadcastTo", "Tile", "ReverseV2", "AddN", "AddV2", "Add", "Sub", "Sum", "Mean", "UnsortedSegmentSum"}
+_ID_INPUTS = {"GatherV2": 1, "UnsortedSegmentSum": 1}
+_PRODUCTS = {"Mul", "MulNoNan", "MatMul", "BatchMatMulV2"}  # linear in one input when the other is the same
+_QUOTIENTS = {"RealDiv", "Div", "DivNoNan"}  # linear in the numerator when the denominator is the same
+_SELECTS = {"Select", "SelectV2"}  # linear in the branches when the condition is the same
+
+
+@dataclasses.dataclass
+class _Leaf:
+    """A tape output: ``gradient`` (a tensor or tf.IndexedSlices) of ``variable``."""
+    variable: tf.Variable
+    gradient: object
+
+
+def _parts(gradient):
+    """The tensors a gradient is made of: itself, or an IndexedSlices' values and ids."""
+    if isinstance(gradient, tf.IndexedSlices):
+        return [gradient.values, gradient.indices]
+    return [gradient]
+
+
+@contextlib.contextmanager
+def recording():
+    """While one synchronous training step is traced: every ``tape.gradient`` result is recorded for ``plan``."""
+    outer = getattr(_ACTIVE, "leaves", None)
+    leaves = _ACTIVE.leaves = {}
+
+    def record(sources, gradients):
+        for variable, gradient in zip(tf.nest.flatten(sources), tf.nest.flatten(gradients)):
+            if gradient is None or not isinstance(variable, tf.Variable):
+                continue
+            if not isinstance(gradient, (tf.Tensor, tf.IndexedSlices)):
+                continue
+            for part in _parts(gradient):
+                leaves[part.ref()] = _Leaf(variable, gradient)
+
+    try:
+        with tf_compat.recording_gradients(record):
+            yield
+    finally:
+        _ACTIVE.leaves = outer
+
+
+class _Kinds:
+    """The kind of every tensor reached walking back from the gradients (memoized), and why a tensor is ``OTHER``
+    (the op that made it so)."""
+
+    def __init__(self, leaves):
+        self.leaves = leaves
+        self.kinds = {}
+        self.why = {}
+
+    def inputs(self, tensor):
+        """What ``tensor`` is computed from: an enclosing graph's tensor for a captured placeholder, else its op's
+        inputs."""
+        if not tf.is_symbolic_tensor(tensor):  # an eager value a tf.function captured
+            return []
+        if tensor.op.type == "Placeholder":
+            external = tf_compat.captured_from(tensor)
+            return [] if external is None else [external]
+        return list(tensor.op.inputs)
+
+    def kind(self, tensor):
+        stack = [(tensor, False)]
+        while stack:
+            current, expanded = stack.pop()
+            if current.ref() in self.kinds:
+                continue
+            inputs = self.inputs(current)
+            if not expanded and any(x.ref() not in self.kinds for x in inputs):
+                stack.append((current, True))
+                stack.extend((x, False) for x in inputs if x.ref() not in self.kinds)
+                continue
+            self.kinds[current.ref()] = self._of(current, inputs)
+        return self.kinds[tensor.ref()]
+
+    def _of(self, tensor, inputs):
+        leaf = self.leaves.get(tensor.ref())
+        if leaf is not None:
+            return IDS if tensor.dtype.is_integer else AFFINE
+        if not tf.is_symbolic_tensor(tensor):
+            return SAME  # a constant (or a variable's handle) made outside the function
+        op = tensor.op
+        if op.type == "Placeholder":
+            if inputs:  # a capture: what it captures
+                if self.why.get(inputs[0].ref()) is not None:
+                    self.why[tensor.ref()] = self.why[inputs[0].ref()]
+                return self.kinds[inputs[0].ref()]
+            return SAME if tensor.dtype == tf.resource else LOCAL  # a variable's handle; the step's data
+        if op.type in _SHAPE_ONLY:
+            return SAME
+        kinds = [self.kinds[x.ref()] for x in inputs]
+        stateful = op._is_stateful and op.type not in _READS  # pylint: disable=protected-access
+        if not any(k in (AFFINE, IDS, OTHER) for k in kinds):
+            return LOCAL if stateful or LOCAL in kinds else SAME
+        if OTHER in kinds:
+            self.why[tensor.ref()] = next(self.why[x.ref()] for x, k in zip(inputs, kinds) if k == OTHER)
+            return OTHER
+        kind = self._affine(op, kinds) if not stateful and LOCAL not in kinds else None
+        if kind is None:
+            self.why[tensor.ref()] = op
+            return OTHER
+        return kind
+
+    @staticmethod
+    def _affine(op, kinds):
+        """The kind of ``op``'s outputs given its inputs' (no input ``OTHER`` or ``LOCAL``), or None when the op is
+        not affine in its gradient inputs."""
+        gradients = [i for i, k in enumerate(kinds) if k in (AFFINE, IDS)]
+        if all(kinds[i] == IDS for i in gradients) and op.type in _KEEP_IDS:
+            return IDS
+        ids = [i for i in gradients if kinds[i] == IDS]
+        if op.type in _LINEAR:
+            return AFFINE if all(_ID_INPUTS.get(op.type) == i for i in ids) else None
+        if ids:
+            return None
+        if op.type in _PRODUCTS:
+            return AFFINE if len(gradients) == 1 else None
+        if op.type in _QUOTIENTS:
+            return AFFINE if gradients == [0] else None
+        if op.type in _SELECTS:
+            return AFFINE if 0 not in gradients else None
+        return None
+
+
+@dataclasses.dataclass
+class _Transform:
+    """What one replayed gradient is computed by: its ``steps`` (ops to copy, or (placeholder, captured tensor)
+    pairs, in order) from its ``leaves``."""
+    steps: list
+    leaves: List[_Leaf]
+
+
+class Replay:
+    """The gradients of a step that are replayed on the workers' averaged tape outputs (``plan``)."""
+
+    def __init__(self, grads_and_vars, transforms: Dict[int, _Transform]):
+        self._grads_and_vars = grads_and_vars
+        self._transforms = transforms
+        self.local = [(None, v) if j in transforms else (g, v) for j, (g, v) in enumerate(grads_and_vars)]
+        leaves = {}
+        for transform in transforms.values():
+            for leaf in transform.leaves:
+                leaves.setdefault(id(leaf.gradient), leaf)
+        self._leaves = list(leaves.values())
+
+    @property
+    def leaf_pairs(self):
+        """(tape output, variable) of every tape output the replayed gradients read: what crosses the network."""
+        return [(leaf.gradient, leaf.variable) for leaf in self._leaves]
+
+    def run(self, num_workers, share=None, compression="none"):
+        """The replayed gradients, (gradient, variable) in the step's order: the tape outputs averaged over the
+        workers (weighted by ``share``, this worker's share of the global batch, when not None), the transformation
+        repeated on the averages."""
+        pairs = [(_times(leaf.gradient, share), leaf.variable) for leaf in self._leaves]
+        averaged = collectives.average_gradients(pairs, num_workers, compression=compression,
+                                                 name="kp_replayed")
+        mapping = {}
+        for leaf, (average, _) in zip(self._leaves, averaged):
+            if isinstance(leaf.gradient, tf.IndexedSlices):
+                mapping[leaf.gradient.values.ref()] = average.values
+                mapping[leaf.gradient.indices.ref()] = tf.cast(average.indices, leaf.gradient.indices.dtype)
+            else:
+                mapping[leaf.gradient.ref()] = average
+        out = []
+        with tf.name_scope("kp_replayed"):
+            for j, transform in sorted(self._transforms.items()):
+                for step in transform.steps:
+                    if isinstance(step, tuple):
+                        placeholder, external = step
+                        mapping.setdefault(placeholder.ref(), mapping.get(external.ref(), external))
+                    elif step.outputs and step.outputs[0].ref() not in mapping:
+                        copied = tf_compat.copy_op(step, [mapping.get(x.ref(), x) for x in step.inputs])
+                        mapping.update((o.ref(), c) for o, c in zip(step.outputs, copied))
+                gradient, variable = self._grads_and_vars[j]
+                if isinstance(gradient, tf.IndexedSlices):
+                    gradient = tf.IndexedSlices(mapping.get(gradient.values.ref(), gradient.values),
+                                                mapping.get(gradient.indices.ref(), gradient.indices),
+                                                gradient.dense_shape)
+                else:
+                    gradient = mapping.get(gradient.ref(), gradient)
+                out.append((gradient, variable))
+        return out
+
+    def merge(self, averaged, replayed):
+        """``averaged`` and ``replayed`` (gradient, variable) pairs in the order of the step's gradients."""
+        position = {v.ref(): j for j, (_, v) in enumerate(self._grads_and_vars)}
+        return sorted(list(averaged) + list(replayed), key=lambda pair: position[pair[1].ref()])
+
+
+def _times(gradient, share):
+    if share is None:
+        return gradient
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(gradient.values * tf.cast(share, gradient.values.dtype), gradient.indices,
+                                gradient.dense_shape)
+    return gradient * tf.cast(share, gradient.dtype)
+
+
+def _averages_exactly(gradient, kinds):
+    """Whether averaging ``gradient`` over the workers is averaging its tape outputs first (or it has none)."""
+    if isinstance(gradient, tf.IndexedSlices):
+        values, ids = kinds
+        return values in (SAME, LOCAL, AFFINE) and ids in (SAME, LOCAL, IDS)
+    return kinds[0] in (SAME, LOCAL, AFFINE)
+
+
+def _walk(kinds, tensors):
+    """The ops between ``tensors`` and the tape outputs they depend on, in an order that computes each op's
+    inputs first (captures as (placeholder, captured) pairs), the tape outputs reached, and (op, input) pairs
+    where an op reads a ``LOCAL`` value or is stateful."""
+    steps, leaves, local, seen, ops = [], {}, [], set(), set()
+    stack = [(t, False) for t in tensors]
+    while stack:
+        tensor, expanded = stack.pop()
+        if tensor.ref() in seen or kinds.kind(tensor) in (SAME, LOCAL):
+            continue
+        leaf = kinds.leaves.get(tensor.ref())
+        if leaf is not None:
+            seen.add(tensor.ref())
+            leaves.setdefault(id(leaf.gradient), leaf)
+            continue
+        inputs = kinds.inputs(tensor)
+        if not expanded:
+            stack.append((tensor, True))
+            stack.extend((x, False) for x in inputs if x.ref() not in seen)
+            continue
+        seen.add(tensor.ref())
+        if tensor.op.type == "Placeholder":
+            steps.append((tensor, inputs[0]))
+            continue
+        op = tensor.op
+        if id(op) in ops:
+            continue
+        ops.add(id(op))
+        steps.append(op)
+        if op._is_stateful and op.type not in _READS:  # pylint: disable=protected-access
+            local.append((op, None))
+        local.extend((op, x) for x in inputs if kinds.kind(x) == LOCAL)
+    return steps, list(leaves.values()), local
+
+
+def plan(grads_and_vars, is_ps_variable, num_workers, accumulating=False):
+    """The ``Replay`` of the gradients in ``grads_and_vars`` (the list a routing optimizer received) that a
+    ``train_step`` transformed in a way averaging does not commute with, or None (nothing recorded, one worker, or
+    nothing to replay). Raises ValueError for a transformation that cannot be one process's (module docstring)."""
+    leaves = getattr(_ACTIVE, "leaves", None)
+    if not leaves or num_workers == 1:
+        return None
+    kinds = _Kinds(leaves)
+    transforms = {}
+    for j, (gradient, variable) in enumerate(grads_and_vars):
+        if gradient is None:
+            continue
+        parts = _parts(gradient)
+        if all(p.ref() in leaves for p in parts):
+            continue
+        if _averages_exactly(gradient, [kinds.kind(p) for p in parts]):
+            continue
+        op = next((kinds.why[p.ref()] for p in parts if kinds.why.get(p.ref()) is not None), parts[0].op)
+        steps, reached, local = _walk(kinds, parts)
+        on_ps = [leaf.variable for leaf in reached if is_ps_variable(leaf.variable)]
+        if is_ps_variable(variable):
+            _refuse(variable, op, "the gradient of a PS variable", "It is summed on the PS, never whole on a worker.")
+        if on_ps:
+            _refuse(variable, op, f"the gradient of PS variable {on_ps[0].name!r} (with the replicated ones: a "
+                    "global norm over all gradients?)", "A PS variable's gradient is summed on the PS, never whole "
+                    "on a worker.")
+        if local:
+            bad_op, tensor = local[0]
+            what = (f"a stateful op ({bad_op.type} {bad_op.name!r})" if tensor is None else
+                    f"a value of this worker's own ({tensor.name!r}: its batch, its loss, ...), read by "
+                    f"{bad_op.type} {bad_op.name!r}")
+            _refuse(variable, bad_op, what, "One process would compute it on the global batch.")
+        if accumulating:
+            _refuse(variable, op, "backward_passes_per_step > 1", "The transformation would act on each pass's "
+                    "gradient, one process's on the sum of them.")
+        transforms[j] = _Transform(steps, reached)
+    return Replay(grads_and_vars, transforms) if transforms else None
+
+
+def _refuse(variable, op, what, why):
+    raise ValueError(
+        f"The train_step transforms the gradient of {variable.name!r} by a function of its gradients ({op.type} op "
+        f"{op.name!r}, e.g. tf.clip_by_global_norm or tf.clip_by_value) that kparallax cannot compute on the global "
+        f"batch's gradients, because it involves {what}. {why} Applied to each worker's own gradient instead, it "
+        "would train differently from one process. Received: that transformation before apply_gradients. Leave the "
+        "PS variables' gradients out of it and compute it from the gradients and constants only (kparallax then "
+        "applies it to the global batch's gradients), use the optimizer's clipnorm / clipvalue (applied as one "
+        "process does), or keep such variables on the workers with HybridStrategy(placement={'<their path regex>': "
+        "'replicated'}).")

@@ -1,0 +1,89 @@
+"""Which transformations of a custom train_step's gradients kparallax averages as they are, replays on averaged tape
+outputs, or refuses (``kparallax/step/gradient_transforms.py``), read from traced graphs in one process. That the
+replayed ones train as one process does is checked on 2 workers by ``test_keras_programs.py``
+(``clipped_gradients``), the refusals by ``test_launcher.py``."""
+
+import pytest
+import tensorflow as tf
+
+from kparallax.step import gradient_transforms
+
+TABLE = tf.Variable(tf.ones([6, 2]), name="table")
+KERNEL = tf.Variable(tf.ones([2, 3]), name="kernel")
+BIAS = tf.Variable(tf.zeros([3]), name="bias")
+SCALE = tf.Variable(4.0, trainable=False, name="loss_scale")
+VARIABLES = [TABLE, KERNEL, BIAS]
+
+
+def _dense(clip):
+    return lambda grads, loss: grads[:1] + list(clip(grads[1:]))
+
+
+def _planned(transform, on_ps=(TABLE,)):
+    """Traces a step whose gradients ``transform(grads, loss)`` changes, then ``plan`` on 2 workers: the positions
+    it replays (or None)."""
+    result = {}
+
+    @tf.function(autograph=False)
+    def step(ids):
+        with gradient_transforms.recording():
+            with tf.GradientTape() as tape:
+                hidden = tf.reduce_mean(tf.nn.embedding_lookup(TABLE, ids), axis=1)
+                loss = tf.reduce_mean(tf.square(tf.matmul(hidden, KERNEL) + BIAS))
+            grads = transform(tape.gradient(loss, VARIABLES), loss)
+            replay = gradient_transforms.plan(list(zip(grads, VARIABLES)), lambda v: any(v is p for p in on_ps), 2)
+        result["replayed"] = None if replay is None else [j for j, (g, _) in enumerate(replay.local) if g is None]
+        return loss
+
+    step(tf.constant([[0, 1], [2, 2]]))
+    return result["replayed"]
+
+
+@pytest.mark.parametrize("name, transform", [
+    ("unchanged", lambda grads, loss: grads),
+    ("a constant factor", lambda grads, loss: [grads[0]] + [g * 0.5 for g in grads[1:]]),
+    ("a loss scale (a variable)", lambda grads, loss: [grads[0]] + [g / SCALE for g in grads[1:]]),
+    ("the table's slices scaled", lambda grads, loss: [tf.IndexedSlices(grads[0].values * 2.0, grads[0].indices,
+                                                                        grads[0].dense_shape)] + grads[1:]),
+    ("the sum of two gradients", lambda grads, loss: [grads[0], grads[1], grads[2] + 0.1 * grads[2]]),
+    ("a factor from a variable", _dense(lambda gs: [g * tf.norm(TABLE) for g in gs])),
+])
+def test_affine_transformations_are_averaged_as_they_are(name, transform):
+    assert _planned(transform) is None, name
+
+
+@pytest.mark.parametrize("name, transform, replayed", [
+    ("global norm", _dense(lambda gs: tf.clip_by_global_norm(gs, 0.1)[0]), [1, 2]),
+    ("by value", lambda grads, loss: grads[:2] + [tf.clip_by_value(grads[2], -0.1, 0.1)], [2]),
+    ("normalized", _dense(lambda gs: [g / (tf.norm(g) + 1e-6) for g in gs]), [1, 2]),
+])
+def test_other_transformations_of_replicated_gradients_are_replayed(name, transform, replayed):
+    assert _planned(transform) == replayed, name
+
+
+def test_a_replicated_table_may_be_in_the_global_norm():
+    assert _planned(lambda grads, loss: tf.clip_by_global_norm(grads, 0.1)[0], on_ps=()) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("transform, message", [
+    (lambda grads, loss: tf.clip_by_global_norm(grads, 0.1)[0],
+     "transforms the gradient of 'table:0' by a function of its gradients (L2Loss op"),
+    (_dense(lambda gs: tf.clip_by_global_norm(gs + [tf.convert_to_tensor(TABLE)], 0.1)[0][:2]), None),
+    (lambda grads, loss: [grads[0]] + [g / (loss + 1.0) for g in grads[1:]],
+     "because it involves a value of this worker's own ('add"),
+])
+def test_what_cannot_be_one_process_s_is_refused(transform, message):
+    if message is None:  # reads variables beside the gradients, not this worker's data: replayed
+        assert _planned(transform) == [1, 2]
+        return
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        _planned(transform)
+
+
+def test_a_norm_spanning_a_ps_table_names_it():
+    def transform(grads, loss):
+        factor = tf.minimum(1.0, 0.1 / tf.linalg.global_norm([grads[0].values, grads[1]]))
+        return grads[:1] + [g * factor for g in grads[1:]]
+
+    with pytest.raises(ValueError, match="because it involves the gradient of PS variable 'table:0'"):
+        _planned(transform)
