@@ -1,7 +1,9 @@
 """Which transformations of a custom train_step's gradients kparallax averages as they are, replays on averaged tape
 outputs, or refuses (``kparallax/step/gradient_transforms.py``), read from traced graphs in one process. That the
 replayed ones train as one process does is checked on 2 workers by ``test_keras_programs.py``
-(``clipped_gradients``), the refusals by ``test_launcher.py``."""
+(``clipped_gradients``, ``clipped_with_table``), the refusals by ``test_launcher.py``."""
+
+import re
 
 import pytest
 import tensorflow as tf
@@ -19,23 +21,23 @@ def _dense(clip):
     return lambda grads, loss: grads[:1] + list(clip(grads[1:]))
 
 
-def _planned(transform, on_ps=(TABLE,)):
-    """Traces a step whose gradients ``transform(grads, loss)`` changes, then ``plan`` on 2 workers: the positions
-    it replays (or None)."""
+def _planned(transform, on_ps=(TABLE,), clipping=False, eager=False, ps_averages=True):
+    """Traces a step whose gradients ``transform(grads, loss)`` changes (or runs it eagerly), then ``plan`` on 2
+    workers: the positions it replays (or None)."""
     result = {}
 
-    @tf.function(autograph=False)
     def step(ids):
         with gradient_transforms.recording():
             with tf.GradientTape() as tape:
                 hidden = tf.reduce_mean(tf.nn.embedding_lookup(TABLE, ids), axis=1)
                 loss = tf.reduce_mean(tf.square(tf.matmul(hidden, KERNEL) + BIAS))
             grads = transform(tape.gradient(loss, VARIABLES), loss)
-            replay = gradient_transforms.plan(list(zip(grads, VARIABLES)), lambda v: any(v is p for p in on_ps), 2)
+            replay = gradient_transforms.plan(list(zip(grads, VARIABLES)), lambda v: any(v is p for p in on_ps), 2,
+                                              clipping=clipping, ps_averages=ps_averages)
         result["replayed"] = None if replay is None else [j for j, (g, _) in enumerate(replay.local) if g is None]
         return loss
 
-    step(tf.constant([[0, 1], [2, 2]]))
+    (step if eager else tf.function(step, autograph=False))(tf.constant([[0, 1], [2, 2]]))
     return result["replayed"]
 
 
@@ -61,29 +63,41 @@ def test_other_transformations_of_replicated_gradients_are_replayed(name, transf
     assert _planned(transform) == replayed, name
 
 
-def test_a_replicated_table_may_be_in_the_global_norm():
-    assert _planned(lambda grads, loss: tf.clip_by_global_norm(grads, 0.1)[0], on_ps=()) == [0, 1, 2]
+@pytest.mark.parametrize("on_ps", [(), (TABLE,)], ids=["replicated table", "table on the PS"])
+def test_a_global_norm_over_every_gradient_is_replayed(on_ps):
+    assert _planned(lambda grads, loss: tf.clip_by_global_norm(grads, 0.1)[0], on_ps=on_ps) == [0, 1, 2]
 
 
-@pytest.mark.parametrize("transform, message", [
-    (lambda grads, loss: tf.clip_by_global_norm(grads, 0.1)[0],
-     "transforms the gradient of 'table:0' by a function of its gradients (L2Loss op"),
-    (_dense(lambda gs: tf.clip_by_global_norm(gs + [tf.convert_to_tensor(TABLE)], 0.1)[0][:2]), None),
-    (lambda grads, loss: [grads[0]] + [g / (loss + 1.0) for g in grads[1:]],
-     "because it involves a value of this worker's own ('add"),
-])
-def test_what_cannot_be_one_process_s_is_refused(transform, message):
-    if message is None:  # reads variables beside the gradients, not this worker's data: replayed
-        assert _planned(transform) == [1, 2]
-        return
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        _planned(transform)
-
-
-def test_a_norm_spanning_a_ps_table_names_it():
+def test_a_norm_reading_the_table_s_gradient_replays_the_others():
     def transform(grads, loss):
         factor = tf.minimum(1.0, 0.1 / tf.linalg.global_norm([grads[0].values, grads[1]]))
         return grads[:1] + [g * factor for g in grads[1:]]
 
-    with pytest.raises(ValueError, match="because it involves the gradient of PS variable 'table:0'"):
-        _planned(transform)
+    assert _planned(transform) == [1, 2]
+
+
+@pytest.mark.parametrize("transform, message, options", [
+    (lambda grads, loss: [grads[0]] + [g / (loss + 1.0) for g in grads[1:]],
+     "because it involves a value of this worker's own ('add", {}),
+    (lambda grads, loss: tf.clip_by_global_norm(grads, 0.1)[0],
+     "transforms the gradient of 'table:0' by a function of its gradients (L2Loss op 'global_norm/L2Loss', e.g. "
+     "tf.clip_by_global_norm or tf.clip_by_value) that kparallax cannot compute on the global batch's gradients, "
+     "because it involves the optimizer's clipnorm / clipvalue too", {"clipping": True}),
+    (lambda grads, loss: tf.clip_by_global_norm(grads, 0.1)[0],
+     "transforms the gradient of 'table:0' by a function of its gradients (L2Loss op 'global_norm/L2Loss', e.g. "
+     "tf.clip_by_global_norm or tf.clip_by_value) that kparallax cannot compute on the global batch's gradients, "
+     "because it involves average_sparse=False", {"ps_averages": False}),
+])
+def test_what_cannot_be_one_process_s_is_refused(transform, message, options):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _planned(transform, **options)
+
+
+def test_a_clip_by_global_norm_reading_variables_is_replayed():
+    assert _planned(_dense(lambda gs: tf.clip_by_global_norm(gs + [tf.convert_to_tensor(TABLE)], 0.1)[0][:2])) == [1, 2]
+
+
+def test_under_run_eagerly_only_the_tape_s_own_gradients_are_taken():
+    with pytest.raises(ValueError, match="With run_eagerly=True, kparallax cannot see how a train_step computed"):
+        _planned(lambda grads, loss: [grads[0]] + [g * 0.5 for g in grads[1:]], eager=True)
+    assert _planned(lambda grads, loss: grads, eager=True) is None

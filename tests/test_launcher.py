@@ -187,7 +187,7 @@ def test_a_cluster_file_of_this_host_only_starts_it_without_ssh(tmp_path):
     ("virtual_batch", "refused: BatchNormalization layer 'vbn' normalizes sub-batches of 2 rows of each worker's batch"),
     ("clip_refused", ("ValueError: The train_step transforms the gradient of 'transformed/table/embeddings:0' by a "
                       "function of its gradients (L2Loss op 'global_norm/L2Loss'",
-                      "because it involves the gradient of a PS variable.",
+                      "because it involves the optimizer's clipnorm / clipvalue too.",
                       "ValueError: The train_step transforms the gradient of 'transformed_1/out/kernel:0' by a "
                       "function of its gradients (RealDiv op 'truediv'",
                       "because it involves a value of this worker's own")),
@@ -200,8 +200,8 @@ def test_training_outside_the_strategy_is_refused_in_a_multi_worker_job(tmp_path
     """fit and train_on_batch of a model compiled outside the scope, and a custom training loop's optimizer: each
     worker would train its own copy alone. Ghost batch normalization (virtual_batch_size) would normalize sub-batches
     one process never forms. A custom train_step's transformation of its gradients that kparallax cannot make on the
-    global batch's gradients (a global norm spanning a PS table, a factor from the worker's own loss, any clip under
-    gradient accumulation) would act on each worker's own."""
+    global batch's gradients (a PS table's clip next to the optimizer's clipnorm, a factor from the worker's own loss,
+    any clip under gradient accumulation) would act on each worker's own."""
     run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "worker_behaviour.py"), mode],
                             log_dir=str(tmp_path), workers=2, ps=1, timeout=120)
     assert run.returncode == 0, run.report()

@@ -13,15 +13,19 @@ each gradient reaching the routing optimizer and walks its graph back to the rec
 
 * a tape output itself, or an affine function of tape outputs with worker-independent coefficients (constants,
   variable reads): averaged as before, since averaging commutes with it;
-* any other function of replicated variables' tape outputs and worker-independent values is *replayed*: the tape
-  outputs it reads are averaged over the workers (each weighted by the worker's share of the global batch when
-  batches differ in size), the ops between them and the gradient are copied with the averages as inputs, and the
-  result is applied as it is: one process's transformation of one process's gradient. Only its result is replayed:
-  a value the ``train_step`` returns from the transformation (the norm ``tf.clip_by_global_norm`` gives back) stays
-  this worker's;
-* a transformation that reads a PS variable's tape output, values of this worker's own beside the gradients (its
-  batch, its loss), or holds a stateful op, or one under gradient accumulation, cannot be made one process's: it is
-  refused at the first step, naming the op.
+* any other function of tape outputs and worker-independent values is *replayed*: the tape outputs it reads are
+  averaged over the workers (each weighted by the worker's share of the global batch when batches differ in size;
+  a sparse one allgathered, as Horovod does), the ops between them and the gradient are copied with the averages
+  as inputs, and the result is one process's transformation of one process's gradient. A replicated variable's is
+  applied as it is; a PS variable's is pushed whole by every worker, so the PS's sum over the workers divided by
+  their count is that gradient again (a global norm over all gradients, tables included, costs every worker the
+  allgather of the tables' rows and a push of all of them). Only the gradient is replayed: a value the
+  ``train_step`` returns from the transformation (the norm ``tf.clip_by_global_norm`` gives back) stays this
+  worker's;
+* a transformation that reads values of this worker's own beside the gradients (its batch, its loss), or holds a
+  stateful op, one under gradient accumulation, or one of a PS variable's gradient with the optimizer's own
+  clipping or ``average_sparse=False``, cannot be made one process's: it is refused at the first step, naming the
+  op. So is any under ``run_eagerly=True`` (there is no graph to read).
 """
 
 import contextlib
@@ -31,6 +35,7 @@ from typing import Dict, List
 
 import tensorflow as tf
 
+from kparallax import log as logging
 from kparallax._compat import tf as tf_compat
 from kparallax.step import collectives
 
@@ -183,7 +188,7 @@ class _Transform:
 class Replay:
     """The gradients of a step that are replayed on the workers' averaged tape outputs (``plan``)."""
 
-    def __init__(self, grads_and_vars, transforms: Dict[int, _Transform]):
+    def __init__(self, grads_and_vars, transforms: Dict[int, _Transform], is_ps_variable):
         self._grads_and_vars = grads_and_vars
         self._transforms = transforms
         self.local = [(None, v) if j in transforms else (g, v) for j, (g, v) in enumerate(grads_and_vars)]
@@ -192,16 +197,38 @@ class Replay:
             for leaf in transform.leaves:
                 leaves.setdefault(id(leaf.gradient), leaf)
         self._leaves = list(leaves.values())
+        targets = {grads_and_vars[j][1].ref(): grads_and_vars[j] for j in transforms}
+        self._on_ps = (all(not isinstance(g, tf.IndexedSlices) and is_ps_variable(v) for g, v in targets.values())
+                       and all(not isinstance(leaf.gradient, tf.IndexedSlices) and leaf.variable.ref() in targets
+                               for leaf in self._leaves))
 
     @property
     def leaf_pairs(self):
         """(tape output, variable) of every tape output the replayed gradients read: what crosses the network."""
         return [(leaf.gradient, leaf.variable) for leaf in self._leaves]
 
+    @property
+    def on_ps(self):
+        """Whether the transformation can run where its gradients are summed: every replayed gradient and every tape
+        output it reads is a dense gradient of a PS variable, each of those variables is replayed too (so no
+        update of its own takes its summed gradient first). Then the workers push their tape outputs as usual, and
+        the chief repeats the transformation on the sums, on the PS tasks (``from_sums``): no more bytes than the
+        plain pushes (the ``ps`` architecture, e.g. LM1B's clipped LSTM on the PS)."""
+        return self._on_ps
+
+    def pushes(self, share=None):
+        """(tape output, variable) pairs for the workers to push when ``on_ps`` (weighted by ``share``)."""
+        return [(_times(leaf.gradient, share), leaf.variable) for leaf in self._leaves]
+
+    def from_sums(self, sums):
+        """``on_ps``: the replayed gradients from ``sums`` (variable ref -> its averaged summed gradient, read on its
+        PS task), each copied op placed with its largest input (so the sums do not leave their tasks)."""
+        return self._replayed({leaf.gradient.ref(): sums[leaf.variable.ref()] for leaf in self._leaves}, place=True)
+
     def run(self, num_workers, share=None, compression="none"):
         """The replayed gradients, (gradient, variable) in the step's order: the tape outputs averaged over the
         workers (weighted by ``share``, this worker's share of the global batch, when not None), the transformation
-        repeated on the averages."""
+        repeated on the averages. The same on every worker."""
         pairs = [(_times(leaf.gradient, share), leaf.variable) for leaf in self._leaves]
         averaged = collectives.average_gradients(pairs, num_workers, compression=compression,
                                                  name="kp_replayed")
@@ -212,6 +239,10 @@ class Replay:
                 mapping[leaf.gradient.indices.ref()] = tf.cast(average.indices, leaf.gradient.indices.dtype)
             else:
                 mapping[leaf.gradient.ref()] = average
+        return self._replayed(mapping)
+
+    def _replayed(self, mapping, place=False):
+        """The transformations' ops copied with ``mapping`` (tape output ref -> the tensor to use instead)."""
         out = []
         with tf.name_scope("kp_replayed"):
             for j, transform in sorted(self._transforms.items()):
@@ -220,7 +251,11 @@ class Replay:
                         placeholder, external = step
                         mapping.setdefault(placeholder.ref(), mapping.get(external.ref(), external))
                     elif step.outputs and step.outputs[0].ref() not in mapping:
-                        copied = tf_compat.copy_op(step, [mapping.get(x.ref(), x) for x in step.inputs])
+                        inputs = [mapping.get(x.ref(), x) for x in step.inputs]
+                        mapped = [x for x, y in zip(inputs, step.inputs) if y.ref() in mapping]
+                        device = max(mapped, key=_size).device if place and mapped else None
+                        with tf.device(device) if device else contextlib.nullcontext():
+                            copied = tf_compat.copy_op(step, inputs)
                         mapping.update((o.ref(), c) for o, c in zip(step.outputs, copied))
                 gradient, variable = self._grads_and_vars[j]
                 if isinstance(gradient, tf.IndexedSlices):
@@ -236,6 +271,11 @@ class Replay:
         """``averaged`` and ``replayed`` (gradient, variable) pairs in the order of the step's gradients."""
         position = {v.ref(): j for j, (_, v) in enumerate(self._grads_and_vars)}
         return sorted(list(averaged) + list(replayed), key=lambda pair: position[pair[1].ref()])
+
+
+def _size(tensor):
+    """Static element count of ``tensor`` (0 when unknown)."""
+    return tensor.shape.num_elements() or 0
 
 
 def _times(gradient, share):
@@ -290,32 +330,41 @@ def _walk(kinds, tensors):
     return steps, list(leaves.values()), local
 
 
-def plan(grads_and_vars, is_ps_variable, num_workers, accumulating=False):
+def plan(grads_and_vars, is_ps_variable, num_workers, accumulating=False, clipping=False, ps_averages=True):
     """The ``Replay`` of the gradients in ``grads_and_vars`` (the list a routing optimizer received) that a
     ``train_step`` transformed in a way averaging does not commute with, or None (nothing recorded, one worker, or
-    nothing to replay). Raises ValueError for a transformation that cannot be one process's (module docstring)."""
+    nothing to replay). ``clipping``: the optimizer clips (clipnorm / clipvalue); ``ps_averages``: the PS divides
+    the workers' summed gradients by their count (``average_sparse``). Raises ValueError for a transformation that
+    cannot be one process's (module docstring)."""
     leaves = getattr(_ACTIVE, "leaves", None)
     if not leaves or num_workers == 1:
         return None
     kinds = _Kinds(leaves)
-    transforms = {}
+    transforms, found = {}, {}
     for j, (gradient, variable) in enumerate(grads_and_vars):
         if gradient is None:
             continue
         parts = _parts(gradient)
         if all(p.ref() in leaves for p in parts):
             continue
+        if tf.executing_eagerly():
+            raise ValueError(
+                "With run_eagerly=True, kparallax cannot see how a train_step computed the gradients it passes to "
+                "apply_gradients (there is no graph to read), so it cannot make a transformation of them act on the "
+                "global batch's gradients as one process's would. Received: a gradient of "
+                f"{variable.name!r} that is not what tape.gradient returned. Leave run_eagerly unset or False "
+                "(then any transformation of the gradients is read from the traced step), or pass the tape's "
+                "gradients as they are.")
         if _averages_exactly(gradient, [kinds.kind(p) for p in parts]):
             continue
         op = next((kinds.why[p.ref()] for p in parts if kinds.why.get(p.ref()) is not None), parts[0].op)
         steps, reached, local = _walk(kinds, parts)
-        on_ps = [leaf.variable for leaf in reached if is_ps_variable(leaf.variable)]
-        if is_ps_variable(variable):
-            _refuse(variable, op, "the gradient of a PS variable", "It is summed on the PS, never whole on a worker.")
-        if on_ps:
-            _refuse(variable, op, f"the gradient of PS variable {on_ps[0].name!r} (with the replicated ones: a "
-                    "global norm over all gradients?)", "A PS variable's gradient is summed on the PS, never whole "
-                    "on a worker.")
+        if is_ps_variable(variable) and clipping:
+            _refuse(variable, op, "the optimizer's clipnorm / clipvalue too", "The replayed gradient of a PS "
+                    "variable reaches the PS from every worker whole, where that clipping expects each worker's own.")
+        if is_ps_variable(variable) and not ps_averages:
+            _refuse(variable, op, "average_sparse=False", "The PS sums the workers' gradients of PS variables "
+                    "instead of averaging them, which one process's transformation of its gradient does not do.")
         if local:
             bad_op, tensor = local[0]
             what = (f"a stateful op ({bad_op.type} {bad_op.name!r})" if tensor is None else
@@ -326,7 +375,15 @@ def plan(grads_and_vars, is_ps_variable, num_workers, accumulating=False):
             _refuse(variable, op, "backward_passes_per_step > 1", "The transformation would act on each pass's "
                     "gradient, one process's on the sum of them.")
         transforms[j] = _Transform(steps, reached)
-    return Replay(grads_and_vars, transforms) if transforms else None
+        found.setdefault(f"{op.type} {op.name!r}", []).append(variable.name)
+    if not transforms:
+        return None
+    replay = Replay(grads_and_vars, transforms, is_ps_variable)
+    where = ("on the PS tasks, from the sums of the workers' pushes" if replay.on_ps else
+             "on the gradients averaged over the workers")
+    for how, names in found.items():
+        logging.info("the train_step transforms the gradients of %s by %s: repeated %s", ", ".join(names), how, where)
+    return replay
 
 
 def _refuse(variable, op, what, why):
@@ -334,8 +391,6 @@ def _refuse(variable, op, what, why):
         f"The train_step transforms the gradient of {variable.name!r} by a function of its gradients ({op.type} op "
         f"{op.name!r}, e.g. tf.clip_by_global_norm or tf.clip_by_value) that kparallax cannot compute on the global "
         f"batch's gradients, because it involves {what}. {why} Applied to each worker's own gradient instead, it "
-        "would train differently from one process. Received: that transformation before apply_gradients. Leave the "
-        "PS variables' gradients out of it and compute it from the gradients and constants only (kparallax then "
-        "applies it to the global batch's gradients), use the optimizer's clipnorm / clipvalue (applied as one "
-        "process does), or keep such variables on the workers with HybridStrategy(placement={'<their path regex>': "
-        "'replicated'}).")
+        "would train differently from one process. Received: that transformation before apply_gradients. Compute it "
+        "from the gradients, constants and variables only (kparallax then applies it to the global batch's "
+        "gradients), or use the optimizer's clipnorm / clipvalue alone (applied as one process does).")

@@ -28,6 +28,7 @@ import tensorflow as tf
 from kparallax._compat import keras as keras_compat
 from kparallax.step import clipping as clipping_lib
 from kparallax.step import collectives
+from kparallax.step import global_losses
 from kparallax.step import local_aggregation
 
 ACCUMULATOR = "kp_accumulator"
@@ -100,9 +101,11 @@ class SyncPs:
         return self._registry.helper(variable, name, [], tf.int64)
 
     @tf.autograph.experimental.do_not_convert
-    def build(self, grads_and_vars):
+    def build(self, grads_and_vars, replay=None):
         """Builds the pushes of ``grads_and_vars`` (PS variables) and the update by each variable's last push (with
-        ``clipnorm``, for dense gradients: the barrier and, on the chief, their update)."""
+        ``clipnorm``, for dense gradients: the barrier and, on the chief, their update). ``replay``: a
+        ``gradient_transforms.Replay`` whose ``on_ps`` is true: its tape outputs are pushed too, then after the
+        barrier the chief repeats the ``train_step``'s transformation on their sums, on the PS, and applies it."""
         sparse = [(g, v) for g, v in grads_and_vars if isinstance(g, tf.IndexedSlices)]
         dense = [(g, v) for g, v in grads_and_vars if not isinstance(g, tf.IndexedSlices)]
         tokens, keep, sent = [], [], []
@@ -125,28 +128,36 @@ class SyncPs:
                 tokens.append(self._update_if_last(
                     variable, pushes, lambda clone, v=variable, f=factor: self._apply_rows(v, clone, f)))
             sent.append(nbytes([rows, ids]))
-        dense_grads, unused = self._local.dense([g for g, _ in dense])
+        replayed = replay.pushes(global_losses.gradient_share()) if replay else []
+        dense_grads, unused = self._local.dense([g for g, _ in dense + replayed])
         keep += unused
         # With ``clipnorm``, a dense gradient's factor spans its table's shards (on several tasks): every push must
         # land before any update, so those go through a barrier and the chief. Without it, the last push applies.
+        # So do the replayed ones: their transformation reads the sums of several variables.
         by_barrier = self._clip.by_norm
-        for grad, (_, variable) in zip(dense_grads or [], dense):
+        for k, (grad, (_, variable)) in enumerate(zip(dense_grads or [], dense + replayed)):
             with tf.device(variable.device):
                 added = self._helper(variable, ACCUMULATOR).assign_add(grad)
                 with tf.control_dependencies([_op(added)]):
                     pushes = count(self._helper(variable, PUSHES))
-                tokens.append(pushes if by_barrier else self._update_if_last(
+                tokens.append(pushes if by_barrier or k >= len(dense) else self._update_if_last(
                     variable, pushes, lambda clone, v=variable: self._apply_summed(v, clone)))
             sent.append(nbytes([grad]))
         sent_bytes = tf.add_n(sent) if sent else tf.constant(0, tf.int64)
-        if not dense or not by_barrier:
+        if not replayed and (not dense or not by_barrier):
             return PsStep(tokens, keep, sent_bytes)
         pushed_all = collectives.barrier(self._n, tokens, "kp_ps_pushed")
         if not self._is_chief:
             return PsStep(tokens, keep + [pushed_all], sent_bytes)
-        grads = [(self._clip.dense(self._read_whole(variable, pushed_all)), variable) for _, variable in dense]
-        factors = self._clip.dense_norm_factors(grads)
-        updates = [self._apply_whole(variable, grad, factors.get(self._group(variable))) for grad, variable in grads]
+        updates = []
+        if dense and by_barrier:
+            grads = [(self._clip.dense(self._read_whole(variable, pushed_all)), variable) for _, variable in dense]
+            factors = self._clip.dense_norm_factors(grads)
+            updates = [self._apply_whole(variable, grad, factors.get(self._group(variable)))
+                       for grad, variable in grads]
+        if replayed:
+            sums = {variable.ref(): self._read_whole(variable, pushed_all) for _, variable in replayed}
+            updates += [self._apply_whole(variable, grad) for grad, variable in replay.from_sums(sums)]
         return PsStep(tokens + updates, keep, sent_bytes)
 
     def _tables(self, sparse):

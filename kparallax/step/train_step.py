@@ -122,18 +122,23 @@ class Step:
                     "gradient slice by slice (one per looked-up id), a densified one after the slices of each id are "
                     f"summed. Received: sparse_as_dense=True, clipping {keras_compat.clipping(optimizer)} and sparse "
                     f"gradients of {sparse}. Use sparse_as_dense=False (the default).")
-        ps_step = self.ps_path.build(ps) if ps else None
+        replayed_dense = []
+        if replay and replay.on_ps:  # the chief repeats it on the PS, from the sums of the workers' pushes
+            ps_step = self.ps_path.build(ps, replay=replay)
+        else:
+            if replay:  # the same on every worker: a PS variable's is pushed whole by each, the PS averages it back
+                replayed = replay.run(self.num_workers, global_losses.gradient_share(), self.options.compression)
+                replayed_dense = [(g, v) for g, v in replayed if not self.is_ps_variable(v)]
+                ps = replay.merge(ps, [(g, v) for g, v in replayed if self.is_ps_variable(v)])
+            ps_step = self.ps_path.build(ps) if ps else None
         keep = list(ps_step.keep) if ps_step else []
-        counters = self._count_sent(dense + (replay.leaf_pairs if replay else []),
+        counters = self._count_sent(dense + (replay.leaf_pairs if replay and not replay.on_ps else []),
                                     ps_step.sent_bytes if ps_step else tf.constant(0, tf.int64))
         applied = None
-        if dense or replay:
+        if dense or replayed_dense:
             averaged = collectives.average_gradients(dense, self.num_workers, compression=self.options.compression,
                                                      sparse_as_dense=self.options.sparse_as_dense)
-            if replay:
-                averaged = replay.merge(averaged, replay.run(self.num_workers, global_losses.gradient_share(),
-                                                             self.options.compression))
-            applied = apply_dense(averaged)
+            applied = apply_dense(replay.merge(averaged, replayed_dense) if replay else averaged)
         if ps_step is not None and self.options.sync:
             keep.append(collectives.barrier(self.num_workers, ps_step.tokens, name="kp_step_done"))
         outputs = [collectives.keep_alive(keep)] if keep else []
@@ -164,7 +169,9 @@ def route(optimizer, step, grads_and_vars, apply_dense):
     averaged replicated gradients with the user's optimizer. Returns the op Keras' step waits for."""
     grads_and_vars = list(grads_and_vars)
     replay = gradient_transforms.plan(grads_and_vars, step.is_ps_variable, step.num_workers,
-                                      accumulating=step.accumulator is not None)
+                                      accumulating=step.accumulator is not None,
+                                      clipping=bool(keras_compat.clipping(optimizer)),
+                                      ps_averages=step.options.average_sparse)
     local = replay.local if replay else grads_and_vars
     dense, ps = step.split(_weighted(local, global_losses.gradient_share()))
     if ps and tf.executing_eagerly():

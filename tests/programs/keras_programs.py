@@ -141,11 +141,12 @@ def custom_train_step(scope, batch):
 
 class ClippedStep(tf.keras.Model):
     """A custom train_step that clips its gradients before applying them, as Keras' guides and many models (LM1B's
-    LSTM) do: the replicated weights' gradients by their global norm, one of them by value; the table's are left as
-    they are."""
+    LSTM) do: by their global norm (the replicated weights' only, or every gradient with the table's), and the
+    output bias's by value."""
 
-    def __init__(self):
+    def __init__(self, clip_table):
         super().__init__()
+        self.clip_table = clip_table
         self.table = tf.keras.layers.Embedding(VOCAB, EMB)
         self.hidden = tf.keras.layers.Dense(8, activation="tanh")
         self.out = tf.keras.layers.Dense(1)
@@ -159,30 +160,38 @@ class ClippedStep(tf.keras.Model):
             loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
         variables = self.trainable_variables
         grads = tape.gradient(loss, variables)
-        dense = [i for i, v in enumerate(variables) if "embedding" not in v.name]
-        clipped, _ = tf.clip_by_global_norm([grads[i] for i in dense], 0.05)
-        for i, g in zip(dense, clipped):
+        clipped = [i for i, v in enumerate(variables) if self.clip_table or "embedding" not in v.name]
+        for i, g in zip(clipped, tf.clip_by_global_norm([grads[i] for i in clipped], 0.05)[0]):
             grads[i] = g
         grads[-1] = tf.clip_by_value(grads[-1], -0.004, 0.004)  # the output bias
         self.optimizer.apply_gradients(zip(grads, variables))
         return {"loss": loss}
 
 
-def clipped_gradients(scope, batch):
-    """ClippedStep (global-norm clipping that binds at every step, a clip by value) with a table on the PS, on a
-    dataset with a partial last batch (16 + 6 rows on the workers in the last step)."""
+def _clipped(scope, batch, clip_table):
     ids, rng = _ids(19)
     y = rng.normal(size=(ROWS, 1)).astype(np.float32) * 3
     data = tf.data.Dataset.from_tensor_slices((ids[:118], y[:118]))
     logged = _Logged()
     with scope():
-        model = ClippedStep()
+        model = ClippedStep(clip_table)
         model(ids[:1])
         _init(model)
         model.compile(optimizer=tf.keras.optimizers.SGD(0.5))
         model.fit(data.batch(batch), epochs=2, verbose=0, callbacks=[logged])
     model.logged = [np.array(logged.batches)]
     return model
+
+
+def clipped_gradients(scope, batch):
+    """ClippedStep clipping the replicated weights' gradients by their global norm (binding at every step), with a
+    table on the PS, on a dataset with a partial last batch (16 + 6 rows on the workers in the last step)."""
+    return _clipped(scope, batch, clip_table=False)
+
+
+def clipped_with_table(scope, batch):
+    """ClippedStep clipping every gradient by one global norm, the PS table's included."""
+    return _clipped(scope, batch, clip_table=True)
 
 
 def text_vectorization(scope, batch):
@@ -979,7 +988,7 @@ def train_on_batch_loop(scope, batch):
     return model
 
 
-PROGRAMS = {f.__name__: f for f in (clipped_gradients, ratio_metrics, custom_metric_classes, sparse_and_ragged_inputs,
+PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, ratio_metrics, custom_metric_classes, sparse_and_ragged_inputs,
                                     sequence_input, generator_input,
                                     summed_losses, scalar_loss_functions, scalar_metric_functions, added_loss_only,
                                     unreduced_loss, batch_normalization, mixed_float16,

@@ -142,8 +142,9 @@ if mode == "several_models":
         model.fit(np.ones((8, 3), np.float32), np.ones((8, 1), np.float32), batch_size=4, epochs=1, verbose=0)
         print(f"model {width} weights sum {sum(float(np.sum(w)) for w in model.get_weights()):.6f}", flush=True)
 if mode in ("clip_refused", "clip_accumulated"):
-    # custom train_steps transforming their gradients in ways kparallax cannot make one process's: clipping by a
-    # global norm that spans a PS table's gradient, scaling by the worker's own loss, clipping under accumulation
+    # custom train_steps transforming their gradients in ways kparallax cannot make one process's: clipping a PS
+    # table's gradient by a global norm next to the optimizer's clipnorm, scaling by the worker's own loss, clipping
+    # under accumulation
     import numpy as np  # pylint: disable=import-outside-toplevel
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
@@ -169,16 +170,19 @@ if mode in ("clip_refused", "clip_accumulated"):
         return grads[:1] + clip(grads[1:])
 
     cases = {"clip_refused": {
-        "global norm over all": lambda grads, loss: tf.clip_by_global_norm(grads, 0.1)[0],
-        "scaled by the loss": lambda grads, loss: dense_only(grads, lambda gs: [g / (loss + 1.0) for g in gs]),
+        "global norm over all, clipnorm": (lambda grads, loss: tf.clip_by_global_norm(grads, 0.1)[0],
+                                           tf.keras.optimizers.SGD(0.1, clipnorm=1.0)),
+        "scaled by the loss": (lambda grads, loss: dense_only(grads, lambda gs: [g / (loss + 1.0) for g in gs]),
+                               "sgd"),
     }, "clip_accumulated": {
-        "clipped, accumulated": lambda grads, loss: dense_only(grads, lambda gs: tf.clip_by_global_norm(gs, 0.1)[0]),
+        "clipped, accumulated": (lambda grads, loss: dense_only(grads, lambda gs: tf.clip_by_global_norm(gs, 0.1)[0]),
+                                 "sgd"),
     }}[mode]
-    for case, transform in cases.items():
+    for case, (transform, optimizer) in cases.items():
         with strategy.scope():
             model = Transformed(transform)
             model(np.zeros((1, 3), np.int32))
-            model.compile(optimizer="sgd")
+            model.compile(optimizer=optimizer)
         try:
             model.fit(np.ones((8, 3), np.int32), np.ones((8, 1), np.float32), batch_size=2, verbose=0)
         except ValueError as e:
