@@ -149,17 +149,21 @@ class ClippedStep(tf.keras.Model):
         self.clip_table = clip_table
         self.table = tf.keras.layers.Embedding(VOCAB, EMB)
         self.hidden = tf.keras.layers.Dense(8, activation="tanh")
-        self.out = tf.keras.layers.Dense(1)
+        self.out = tf.keras.layers.Dense(1, dtype="float32")
 
     def call(self, ids):
         return self.out(self.hidden(tf.reduce_mean(self.table(ids), axis=1)))
 
     def train_step(self, data):
         x, y = data
+        scaled = isinstance(self.optimizer, tf.keras.mixed_precision.LossScaleOptimizer)
         with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
+            loss = tf.reduce_mean(tf.square(tf.cast(self(x, training=True), tf.float32) - y))
+            target = self.optimizer.get_scaled_loss(loss) if scaled else loss
         variables = self.trainable_variables
-        grads = tape.gradient(loss, variables)
+        grads = tape.gradient(target, variables)
+        if scaled:  # mixed precision's loss scale, as Keras' guide for a custom train_step does it
+            grads = self.optimizer.get_unscaled_gradients(grads)
         clipped = [i for i, v in enumerate(variables) if self.clip_table or "embedding" not in v.name]
         for i, g in zip(clipped, tf.clip_by_global_norm([grads[i] for i in clipped], 0.05)[0]):
             grads[i] = g
@@ -192,6 +196,16 @@ def clipped_gradients(scope, batch):
 def clipped_with_table(scope, batch):
     """ClippedStep clipping every gradient by one global norm, the PS table's included."""
     return _clipped(scope, batch, clip_table=True)
+
+
+def mixed_float16_clipped(scope, batch):
+    """clipped_gradients under the mixed_float16 policy: the train_step scales its loss and unscales its gradients
+    with Keras' loss-scale optimizer before clipping them."""
+    tf.keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        return _clipped(scope, batch, clip_table=False)
+    finally:
+        tf.keras.mixed_precision.set_global_policy("float32")
 
 
 def text_vectorization(scope, batch):
@@ -773,12 +787,13 @@ class CriticAndModel(tf.keras.Model):
     """A custom train_step with two optimizers, as a GAN's: a critic (Dense) trained first by its own optimizer, then
     the model (a table and a head) by the compiled one on a loss through the updated critic."""
 
-    def __init__(self):
+    def __init__(self, clip=False):
         super().__init__()
         self.table = tf.keras.layers.Embedding(VOCAB, EMB)
         self.head = tf.keras.layers.Dense(1)
         self.critic = tf.keras.layers.Dense(1)
         self.critic_optimizer = None
+        self.clip = clip
 
     def compile(self, critic_optimizer, **kwargs):  # pylint: disable=arguments-differ
         super().compile(**kwargs)
@@ -793,23 +808,29 @@ class CriticAndModel(tf.keras.Model):
         with tf.GradientTape() as tape:
             critic_loss = tf.reduce_mean(tf.square(self.critic(features) - y))
         variables = self.critic.trainable_variables
-        self.critic_optimizer.apply_gradients(zip(tape.gradient(critic_loss, variables), variables))
+        grads = tape.gradient(critic_loss, variables)
+        if self.clip:  # the critic's by value, the head's by their global norm
+            grads = [tf.clip_by_value(g, -0.02, 0.02) for g in grads]
+        self.critic_optimizer.apply_gradients(zip(grads, variables))
         with tf.GradientTape() as tape:
             features = tf.reduce_sum(self.table(x), axis=1)
             loss = tf.reduce_mean(tf.square(self(x, training=True) + 0.5 * self.critic(features) - y))
         variables = self.table.trainable_variables + self.head.trainable_variables
-        self.optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        grads = tape.gradient(loss, variables)
+        if self.clip:
+            grads = grads[:1] + tf.clip_by_global_norm(grads[1:], 0.05)[0]
+        self.optimizer.apply_gradients(zip(grads, variables))
         return {"loss": loss, "critic_loss": critic_loss}
 
 
-def two_optimizers(scope, batch):
+def two_optimizers(scope, batch, clip=False):
     """CriticAndModel (Adam for the critic, SGD compiled) on a dataset with a partial last batch; the logged losses
     are kept."""
     ids, rng = _ids(38)
-    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32) * (3 if clip else 1)
     rows = ROWS - 10
     with scope():
-        model = CriticAndModel()
+        model = CriticAndModel(clip)
         model(ids[:1])
         model.critic(tf.zeros((1, EMB)))
         _init(model)
@@ -818,6 +839,12 @@ def two_optimizers(scope, batch):
         history = model.fit(data.batch(batch), epochs=2, verbose=0)
     model.logged = [np.array([history.history[key] for key in sorted(history.history)])]
     return model
+
+
+def clipped_two_optimizers(scope, batch):
+    """two_optimizers with both optimizers' gradients clipped in the train_step: the critic's by value (its own
+    optimizer), the head's by their global norm (the compiled one)."""
+    return two_optimizers(scope, batch, clip=True)
 
 
 def fine_tuning(scope, batch):
@@ -988,7 +1015,8 @@ def train_on_batch_loop(scope, batch):
     return model
 
 
-PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, ratio_metrics, custom_metric_classes, sparse_and_ragged_inputs,
+PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, mixed_float16_clipped,
+                                    clipped_two_optimizers, ratio_metrics, custom_metric_classes, sparse_and_ragged_inputs,
                                     sequence_input, generator_input,
                                     summed_losses, scalar_loss_functions, scalar_metric_functions, added_loss_only,
                                     unreduced_loss, batch_normalization, mixed_float16,
