@@ -37,7 +37,10 @@ def _planned(transform, on_ps=(TABLE,), clipping=False, eager=False, ps_averages
         result["replayed"] = None if replay is None else [j for j, (g, _) in enumerate(replay.local) if g is None]
         return loss
 
-    (step if eager else tf.function(step, autograph=False))(tf.constant([[0, 1], [2, 2]]))
+    # an unknown batch size, as Keras' train function traces its step
+    traced = step if eager else tf.function(step, autograph=False,
+                                            input_signature=[tf.TensorSpec([None, 2], tf.int32)])
+    traced(tf.constant([[0, 1], [2, 2]]))
     return result["replayed"]
 
 
@@ -58,6 +61,11 @@ def test_affine_transformations_are_averaged_as_they_are(name, transform):
     ("global norm", _dense(lambda gs: tf.clip_by_global_norm(gs, 0.1)[0]), [1, 2]),
     ("by value", lambda grads, loss: grads[:2] + [tf.clip_by_value(grads[2], -0.1, 0.1)], [2]),
     ("normalized", _dense(lambda gs: [g / (tf.norm(g) + 1e-6) for g in gs]), [1, 2]),
+    ("divided by its row count", lambda grads, loss: [tf.IndexedSlices(
+        grads[0].values / tf.cast(tf.shape(grads[0].values)[0], tf.float32), grads[0].indices,
+        grads[0].dense_shape)] + grads[1:], [0]),
+    ("a constant picked by its ids", lambda grads, loss: [tf.IndexedSlices(
+        tf.gather(tf.ones([6, 2]), grads[0].indices), grads[0].indices, grads[0].dense_shape)] + grads[1:], [0]),
 ])
 def test_other_transformations_of_replicated_gradients_are_replayed(name, transform, replayed):
     assert _planned(transform) == replayed, name

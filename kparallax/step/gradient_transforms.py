@@ -46,7 +46,7 @@ _ACTIVE = threading.local()
 # anything else that depends on tape outputs.
 SAME, LOCAL, AFFINE, IDS, OTHER = "same", "local", "affine", "ids", "other"
 
-_SHAPE_ONLY = {"Shape", "ShapeN", "Size", "Rank", "ZerosLike", "OnesLike"}
+_SHAPE_ONLY = {"Shape", "ShapeN", "Size", "Rank", "OnesLike"}  # values from their input's shape only
 _READS = {"ReadVariableOp", "VarHandleOp", "ResourceGather"}
 _KEEP_IDS = {"Identity", "Snapshot", "Cast", "Reshape", "ExpandDims", "Squeeze", "EnsureShape", "ConcatV2"}
 # Linear in each gradient input, given worker-independent other inputs; ids allowed only where an op takes ids.
@@ -141,9 +141,17 @@ class _Kinds:
                     self.why[tensor.ref()] = self.why[inputs[0].ref()]
                 return self.kinds[inputs[0].ref()]
             return SAME if tensor.dtype == tf.resource else LOCAL  # a variable's handle; the step's data
-        if op.type in _SHAPE_ONLY:
-            return SAME
         kinds = [self.kinds[x.ref()] for x in inputs]
+        if op.type == "ZerosLike":
+            return SAME
+        if op.type in _SHAPE_ONLY:
+            # A gradient's shape is one process's only for a dense gradient (a sparse one's row count is the worker's
+            # lookups, known while tracing or not): repeated on the global gradients, where it is one process's. A
+            # shape of the worker's data (its batch size) is its own.
+            if any(k in (AFFINE, IDS, OTHER) for k in kinds):
+                self.why[tensor.ref()] = op
+                return OTHER
+            return LOCAL if LOCAL in kinds else SAME
         stateful = op._is_stateful and op.type not in _READS  # pylint: disable=protected-access
         if not any(k in (AFFINE, IDS, OTHER) for k in kinds):
             return LOCAL if stateful or LOCAL in kinds else SAME
@@ -165,6 +173,8 @@ class _Kinds:
             return IDS
         ids = [i for i in gradients if kinds[i] == IDS]
         if op.type in _LINEAR:
+            if op.type in _ID_INPUTS and kinds[0] != AFFINE:  # a worker-independent value picked by a worker's ids
+                return None
             return AFFINE if all(_ID_INPUTS.get(op.type) == i for i in ids) else None
         if ids:
             return None
