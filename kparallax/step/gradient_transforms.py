@@ -6,7 +6,7 @@ One process's custom ``train_step`` takes the global batch's gradient from its t
 the exchange happens inside ``apply_gradients``, after the transformation. Averaging after it is one process's math
 only when the transformation is affine in the gradients with coefficients that are the same on every worker (a
 constant factor, mixed precision's loss scale, a sum of gradients); a norm or a clip acted on each worker's gradient
-and trained differently from one process (0.028 off on the test program), silently.
+and trained differently from one process (0.033-0.063 off on the test programs), silently.
 
 While the synchronous step is traced (``recording``), every ``tape.gradient`` result is recorded. ``plan`` looks at
 each gradient reaching the routing optimizer and walks its graph back to the recorded tape outputs:
@@ -19,7 +19,9 @@ each gradient reaching the routing optimizer and walks its graph back to the rec
   as inputs, and the result is one process's transformation of one process's gradient. A replicated variable's is
   applied as it is; a PS variable's is pushed whole by every worker, so the PS's sum over the workers divided by
   their count is that gradient again (a global norm over all gradients, tables included, costs every worker the
-  allgather of the tables' rows and a push of all of them). Only the gradient is replayed: a value the
+  allgather of the tables' rows and a push of all of them). Where every gradient read and replayed is a dense PS
+  variable's (the ``ps`` architecture), the workers push their own as usual and the chief repeats the
+  transformation on the PS tasks from the pushed sums (``Replay.on_ps``). Only the gradient is replayed: a value the
   ``train_step`` returns from the transformation (the norm ``tf.clip_by_global_norm`` gives back) stays this
   worker's;
 * a transformation that reads values of this worker's own beside the gradients (its batch, its loss), or holds a
