@@ -10,29 +10,47 @@ import tensorflow as tf
 
 from kparallax.step import gradient_transforms
 
-TABLE = tf.Variable(tf.ones([6, 2]), name="table")
-KERNEL = tf.Variable(tf.ones([2, 3]), name="kernel")
-BIAS = tf.Variable(tf.zeros([3]), name="bias")
-SCALE = tf.Variable(4.0, trainable=False, name="loss_scale")
-VARIABLES = [TABLE, KERNEL, BIAS]
+
+
+class _Vars:
+    """The test model's variables, made when a test first needs them (another test file may change the eager
+    context, e.g. by starting an in-process server, before or after this module is imported)."""
+
+    def __getattr__(self, name):
+        made = {"table": tf.Variable(tf.ones([6, 2]), name="table"),
+                "kernel": tf.Variable(tf.ones([2, 3]), name="kernel"),
+                "bias": tf.Variable(tf.zeros([3]), name="bias"),
+                "scale": tf.Variable(4.0, trainable=False, name="loss_scale")}
+        self.__dict__.update(made)
+        return made[name]
+
+
+V = _Vars()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_variables():
+    V.__dict__.clear()
 
 
 def _dense(clip):
     return lambda grads, loss: grads[:1] + list(clip(grads[1:]))
 
 
-def _planned(transform, on_ps=(TABLE,), clipping=False, eager=False, ps_averages=True):
+def _planned(transform, on_ps=None, clipping=False, eager=False, ps_averages=True):
     """Traces a step whose gradients ``transform(grads, loss)`` changes (or runs it eagerly), then ``plan`` on 2
     workers: the positions it replays (or None)."""
     result = {}
+    on_ps = (V.table,) if on_ps is None else on_ps
 
     def step(ids):
         with gradient_transforms.recording():
             with tf.GradientTape() as tape:
-                hidden = tf.reduce_mean(tf.nn.embedding_lookup(TABLE, ids), axis=1)
-                loss = tf.reduce_mean(tf.square(tf.matmul(hidden, KERNEL) + BIAS))
-            grads = transform(tape.gradient(loss, VARIABLES), loss)
-            replay = gradient_transforms.plan(list(zip(grads, VARIABLES)), lambda v: any(v is p for p in on_ps), 2,
+                hidden = tf.reduce_mean(tf.nn.embedding_lookup(V.table, ids), axis=1)
+                loss = tf.reduce_mean(tf.square(tf.matmul(hidden, V.kernel) + V.bias))
+            variables = [V.table, V.kernel, V.bias]
+            grads = transform(tape.gradient(loss, variables), loss)
+            replay = gradient_transforms.plan(list(zip(grads, variables)), lambda v: any(v is p for p in on_ps), 2,
                                               clipping=clipping, ps_averages=ps_averages)
         result["replayed"] = None if replay is None else [j for j, (g, _) in enumerate(replay.local) if g is None]
         return loss
@@ -47,11 +65,11 @@ def _planned(transform, on_ps=(TABLE,), clipping=False, eager=False, ps_averages
 @pytest.mark.parametrize("name, transform", [
     ("unchanged", lambda grads, loss: grads),
     ("a constant factor", lambda grads, loss: [grads[0]] + [g * 0.5 for g in grads[1:]]),
-    ("a loss scale (a variable)", lambda grads, loss: [grads[0]] + [g / SCALE for g in grads[1:]]),
+    ("a loss scale (a variable)", lambda grads, loss: [grads[0]] + [g / V.scale for g in grads[1:]]),
     ("the table's slices scaled", lambda grads, loss: [tf.IndexedSlices(grads[0].values * 2.0, grads[0].indices,
                                                                         grads[0].dense_shape)] + grads[1:]),
     ("the sum of two gradients", lambda grads, loss: [grads[0], grads[1], grads[2] + 0.1 * grads[2]]),
-    ("a factor from a variable", _dense(lambda gs: [g * tf.norm(TABLE) for g in gs])),
+    ("a factor from a variable", _dense(lambda gs: [g * tf.norm(V.table) for g in gs])),
 ])
 def test_affine_transformations_are_averaged_as_they_are(name, transform):
     assert _planned(transform) is None, name
@@ -71,8 +89,9 @@ def test_other_transformations_of_replicated_gradients_are_replayed(name, transf
     assert _planned(transform) == replayed, name
 
 
-@pytest.mark.parametrize("on_ps", [(), (TABLE,)], ids=["replicated table", "table on the PS"])
-def test_a_global_norm_over_every_gradient_is_replayed(on_ps):
+@pytest.mark.parametrize("table_on_ps", [False, True], ids=["replicated table", "table on the PS"])
+def test_a_global_norm_over_every_gradient_is_replayed(table_on_ps):
+    on_ps = (V.table,) if table_on_ps else ()
     assert _planned(lambda grads, loss: tf.clip_by_global_norm(grads, 0.1)[0], on_ps=on_ps) == [0, 1, 2]
 
 
@@ -102,7 +121,8 @@ def test_what_cannot_be_one_process_s_is_refused(transform, message, options):
 
 
 def test_a_clip_by_global_norm_reading_variables_is_replayed():
-    assert _planned(_dense(lambda gs: tf.clip_by_global_norm(gs + [tf.convert_to_tensor(TABLE)], 0.1)[0][:2])) == [1, 2]
+    reading = _dense(lambda gs: tf.clip_by_global_norm(gs + [tf.convert_to_tensor(V.table)], 0.1)[0][:2])
+    assert _planned(reading) == [1, 2]
 
 
 def test_under_run_eagerly_only_the_tape_s_own_gradients_are_taken():

@@ -168,12 +168,7 @@ def route(optimizer, step, grads_and_vars, apply_dense):
     when batches may differ in size, split, optionally accumulated, exchanged; ``apply_dense(averaged)`` applies the
     averaged replicated gradients with the user's optimizer. Returns the op Keras' step waits for."""
     grads_and_vars = list(grads_and_vars)
-    replay = gradient_transforms.plan(grads_and_vars, step.is_ps_variable, step.num_workers,
-                                      accumulating=step.accumulator is not None,
-                                      clipping=bool(keras_compat.clipping(optimizer)),
-                                      ps_averages=step.options.average_sparse)
-    local = replay.local if replay else grads_and_vars
-    dense, ps = step.split(_weighted(local, global_losses.gradient_share()))
+    ps = [(g, v) for g, v in grads_and_vars if g is not None and step.is_ps_variable(v)]
     if ps and tf.executing_eagerly():
         raise ValueError(
             "A model with PS variables cannot train eagerly under HybridStrategy: the PS path of its step (pushes "
@@ -185,6 +180,11 @@ def route(optimizer, step, grads_and_vars, apply_dense):
     if ps and keras_compat.unclonable_reason(optimizer):
         raise ValueError(f"{keras_compat.unclonable_reason(optimizer)} Received: {type(optimizer).__name__} with "
                          f"{len(ps)} PS variable(s), e.g. {ps[0][1].name!r}.")
+    replay = gradient_transforms.plan(grads_and_vars, step.is_ps_variable, step.num_workers,
+                                      accumulating=step.accumulator is not None,
+                                      clipping=bool(keras_compat.clipping(optimizer)),
+                                      ps_averages=step.options.average_sparse)
+    dense, ps = step.split(_weighted(replay.local if replay else grads_and_vars, global_losses.gradient_share()))
 
     def build(dense, ps):
         return step.build(optimizer, dense, ps, apply_dense, replay)
