@@ -62,6 +62,21 @@ def gradient_share():
     return None if scales is None else scales.rows_share
 
 
+def weighted(grads_and_vars, share):
+    """Each gradient of ``grads_and_vars`` times ``share`` (``gradient_share()``: this worker's share of the global
+    batch, when batches may differ in size), or the list unchanged when ``share`` is None."""
+    if share is None:
+        return list(grads_and_vars)
+    out = []
+    for grad, var in grads_and_vars:
+        if isinstance(grad, tf.IndexedSlices):
+            grad = tf.IndexedSlices(grad.values * tf.cast(share, grad.values.dtype), grad.indices, grad.dense_shape)
+        elif grad is not None:
+            grad = grad * tf.cast(share, grad.dtype)
+        out.append((grad, var))
+    return out
+
+
 @contextlib.contextmanager
 def workers(num_workers, rows_share=None):
     """While one training step is traced: summed compiled losses count ``num_workers`` workers, masked ones weight

@@ -40,6 +40,7 @@ import tensorflow as tf
 from kparallax import log as logging
 from kparallax._compat import tf as tf_compat
 from kparallax.step import collectives
+from kparallax.step import global_losses
 
 _ACTIVE = threading.local()
 
@@ -214,23 +215,19 @@ class Replay:
                        and all(not isinstance(leaf.gradient, tf.IndexedSlices) and leaf.variable.ref() in targets
                                for leaf in self._leaves))
 
-    @property
-    def leaf_pairs(self):
-        """(tape output, variable) of every tape output the replayed gradients read: what crosses the network."""
-        return [(leaf.gradient, leaf.variable) for leaf in self._leaves]
+    def leaves(self, share=None):
+        """(tape output, variable) of every tape output the replayed gradients read, each weighted by ``share``
+        (this worker's share of the global batch, or None): what the workers exchange, or push when ``on_ps``."""
+        return global_losses.weighted([(leaf.gradient, leaf.variable) for leaf in self._leaves], share)
 
     @property
     def on_ps(self):
         """Whether the transformation can run where its gradients are summed: every replayed gradient and every tape
         output it reads is a dense gradient of a PS variable, each of those variables is replayed too (so no
-        update of its own takes its summed gradient first). Then the workers push their tape outputs as usual, and
-        the chief repeats the transformation on the sums, on the PS tasks (``from_sums``): no more bytes than the
-        plain pushes (the ``ps`` architecture, e.g. LM1B's clipped LSTM on the PS)."""
+        update of its own takes its summed gradient first). Then the workers push their tape outputs (``leaves``)
+        as usual, and the chief repeats the transformation on the sums, on the PS tasks (``from_sums``): no more
+        bytes than the plain pushes (the ``ps`` architecture, e.g. LM1B's clipped LSTM on the PS)."""
         return self._on_ps
-
-    def pushes(self, share=None):
-        """(tape output, variable) pairs for the workers to push when ``on_ps`` (weighted by ``share``)."""
-        return [(_times(leaf.gradient, share), leaf.variable) for leaf in self._leaves]
 
     def from_sums(self, sums):
         """``on_ps``: the replayed gradients from ``sums`` (variable ref -> its averaged summed gradient, read on its
@@ -241,8 +238,7 @@ class Replay:
         """The replayed gradients, (gradient, variable) in the step's order: the tape outputs averaged over the
         workers (weighted by ``share``, this worker's share of the global batch, when not None), the transformation
         repeated on the averages. The same on every worker."""
-        pairs = [(_times(leaf.gradient, share), leaf.variable) for leaf in self._leaves]
-        averaged = collectives.average_gradients(pairs, num_workers, compression=compression,
+        averaged = collectives.average_gradients(self.leaves(share), num_workers, compression=compression,
                                                  name="kp_replayed")
         mapping = {}
         for leaf, (average, _) in zip(self._leaves, averaged):
@@ -288,15 +284,6 @@ class Replay:
 def _size(tensor):
     """Static element count of ``tensor`` (0 when unknown)."""
     return tensor.shape.num_elements() or 0
-
-
-def _times(gradient, share):
-    if share is None:
-        return gradient
-    if isinstance(gradient, tf.IndexedSlices):
-        return tf.IndexedSlices(gradient.values * tf.cast(share, gradient.values.dtype), gradient.indices,
-                                gradient.dense_shape)
-    return gradient * tf.cast(share, gradient.dtype)
 
 
 def _averages_exactly(gradient, kinds):

@@ -128,7 +128,7 @@ class SyncPs:
                 tokens.append(self._update_if_last(
                     variable, pushes, lambda clone, v=variable, f=factor: self._apply_rows(v, clone, f)))
             sent.append(nbytes([rows, ids]))
-        replayed = replay.pushes(global_losses.gradient_share()) if replay else []
+        replayed = replay.leaves(global_losses.gradient_share()) if replay else []
         dense_grads, unused = self._local.dense([g for g, _ in dense + replayed])
         keep += unused
         # With ``clipnorm``, a dense gradient's factor spans its table's shards (on several tasks): every push must

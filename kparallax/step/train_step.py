@@ -132,7 +132,7 @@ class Step:
                 ps = replay.merge(ps, [(g, v) for g, v in replayed if self.is_ps_variable(v)])
             ps_step = self.ps_path.build(ps) if ps else None
         keep = list(ps_step.keep) if ps_step else []
-        counters = self._count_sent(dense + (replay.leaf_pairs if replay and not replay.on_ps else []),
+        counters = self._count_sent(dense + (replay.leaves() if replay and not replay.on_ps else []),
                                     ps_step.sent_bytes if ps_step else tf.constant(0, tf.int64))
         applied = None
         if dense or replayed_dense:
@@ -148,43 +148,29 @@ class Step:
         return applied
 
 
-def _weighted(grads_and_vars, share):
-    """Each gradient times ``share`` (this worker's share of the global batch, when batches may differ in size;
-    ``global_losses``), or the list unchanged when ``share`` is None."""
-    if share is None:
-        return grads_and_vars
-    out = []
-    for grad, var in grads_and_vars:
-        if isinstance(grad, tf.IndexedSlices):
-            grad = tf.IndexedSlices(grad.values * tf.cast(share, grad.values.dtype), grad.indices, grad.dense_shape)
-        elif grad is not None:
-            grad = grad * tf.cast(share, grad.dtype)
-        out.append((grad, var))
-    return out
-
-
 def route(optimizer, step, grads_and_vars, apply_dense):
     """Builds ``step`` for ``grads_and_vars`` of ``optimizer``: weighted by this worker's share of the global batch
     when batches may differ in size, split, optionally accumulated, exchanged; ``apply_dense(averaged)`` applies the
     averaged replicated gradients with the user's optimizer. Returns the op Keras' step waits for."""
     grads_and_vars = list(grads_and_vars)
-    ps = [(g, v) for g, v in grads_and_vars if g is not None and step.is_ps_variable(v)]
-    if ps and tf.executing_eagerly():
+    on_ps = [v for g, v in grads_and_vars if g is not None and step.is_ps_variable(v)]
+    if on_ps and tf.executing_eagerly():
         raise ValueError(
             "A model with PS variables cannot train eagerly under HybridStrategy: the PS path of its step (pushes "
             "counted on the PS, the update made by the last push, the end-of-step barrier) is built as one traced "
             "function, as TensorFlow's ParameterServerStrategy requires too. Received: run_eagerly=True (or "
-            f"tf.config.run_functions_eagerly(True)) with {len(ps)} PS variable(s), e.g. {ps[0][1].name!r}. "
+            f"tf.config.run_functions_eagerly(True)) with {len(on_ps)} PS variable(s), e.g. {on_ps[0].name!r}. "
             "Leave run_eagerly unset or False; to step through the model's Python, run it in one process without "
             "the strategy.")
-    if ps and keras_compat.unclonable_reason(optimizer):
+    if on_ps and keras_compat.unclonable_reason(optimizer):
         raise ValueError(f"{keras_compat.unclonable_reason(optimizer)} Received: {type(optimizer).__name__} with "
-                         f"{len(ps)} PS variable(s), e.g. {ps[0][1].name!r}.")
+                         f"{len(on_ps)} PS variable(s), e.g. {on_ps[0].name!r}.")
     replay = gradient_transforms.plan(grads_and_vars, step.is_ps_variable, step.num_workers,
                                       accumulating=step.accumulator is not None,
                                       clipping=bool(keras_compat.clipping(optimizer)),
                                       ps_averages=step.options.average_sparse)
-    dense, ps = step.split(_weighted(replay.local if replay else grads_and_vars, global_losses.gradient_share()))
+    dense, ps = step.split(global_losses.weighted(replay.local if replay else grads_and_vars,
+                                                  global_losses.gradient_share()))
 
     def build(dense, ps):
         return step.build(optimizer, dense, ps, apply_dense, replay)
