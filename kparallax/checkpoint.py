@@ -94,7 +94,8 @@ def save(strategy, model, directory, extra=None, keep=3, metric_states=None):
         arrays.update({f"table_optimizer_{len(tables)}_{j}": v for j, v in enumerate(merged)})
         tables.append({"path": path, "variables": len(merged), "shards": len(shards)})
     meta = {"step": step, "extra": extra or {}, "num_weights": len(weights),
-            "dense_optimizer_variables": len(dense_state), "tables": tables}
+            "dense_optimizer_variables": len(dense_state), "tables": tables,
+            "moved": strategy.moved_paths(model)}
     if metric_states is not None:
         meta["metrics"], arrays["metric_states"] = metric_states
     os.makedirs(directory, exist_ok=True)
@@ -161,6 +162,12 @@ def restore(strategy, model, path, continue_fit=False):
     collectives.eager_barrier(strategy.num_workers, name="kp_restore_begin")
     with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
         meta = json.load(f)
+    # Variables the run that wrote it moved onto PS tasks at its first step (sparse gradients) move now, before
+    # their state is set, as that run's first step would have moved them.
+    moved = set(meta.get("moved", []))
+    pending = [v for v in model.trainable_variables if v.name.split(":")[0] in moved and strategy.moves_sparse(v)]
+    if pending:
+        strategy.move_to_ps(model, pending)
     groups = _whole_weights(strategy, model)
     if meta["num_weights"] != len(groups):
         raise ValueError(f"Checkpoint {path} holds {meta['num_weights']} weights but the model has {len(groups)}: "

@@ -16,7 +16,7 @@ reported as single@1). Same model, same synthetic data, same per-worker batch, s
 normalizes each worker's batch in every variant (``--batch_norm global``: over all workers, kparallax's default, and
 Horovod's ``SyncBatchNormalization`` for the horovod variants); ``--steps_per_execution N`` compiles every variant
 with Keras' ``steps_per_execution=N``; ``--local_aggregation on|off`` sets kparallax's option of that name (default
-``auto``). Variants that need them get ``--ps`` PS
+``auto``), ``--placement JSON`` its placement rules. Variants that need them get ``--ps`` PS
 tasks (default 1; with more, kparallax tables get as many partitions and tf-pss a MinSizePartitioner as many shards).
 
 Where: by default every task runs on this machine and talks over loopback. ``--emulate-network RATE`` (e.g. 1gbit,
@@ -59,7 +59,8 @@ VARIANTS = ["kparallax-hybrid", "kparallax-hybrid-async", "kparallax-allreduce",
 
 def parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="lm1b_small", help="lm1b_small | lm1b_tiny | resnet50_small | ...")
+    parser.add_argument("--model", default="lm1b_small",
+                        help="a preset (lm1b_small | lm1b_tiny | resnet50_small | ...) or a JSON config's path")
     parser.add_argument("--workers", default="2", help="comma-separated worker counts, e.g. 1,2,4,8")
     parser.add_argument("--steps", type=int, default=50, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (tracing)")
@@ -77,6 +78,10 @@ def parse(argv=None):
     parser.add_argument("--local_aggregation", choices=("auto", "on", "off"), default="auto",
                         help="kparallax variants: HybridStrategy(local_aggregation=...) ('auto', the default, "
                              "aggregates only when workers share a host and some task is on another; 'on' forces it)")
+    parser.add_argument("--placement", default=None,
+                        help="kparallax variants: HybridStrategy(placement=...) as a JSON object of variable-path "
+                             "regex -> 'ps' | 'ps:P' | 'replicated', e.g. '{\"lm1b/softmax_.*\": \"replicated\"}' "
+                             "(no floor is given for them then)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--json", default="benchmark.json")
     parser.add_argument("--markdown", default=None, help="write the table here too (default: print only)")
@@ -93,6 +98,14 @@ def parse(argv=None):
                              "kparallax_bench.op_profile DIR [--phases]); profiled runs are slower, so their "
                              "throughput is not comparable with unprofiled ones")
     args = parser.parse_args(argv)
+    if args.placement is not None:
+        try:
+            rules = json.loads(args.placement)
+        except ValueError as e:
+            parser.error(f"--placement must be a JSON object ({e}). Received: --placement={args.placement}.")
+        if not isinstance(rules, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in rules.items()):
+            parser.error("--placement must be a JSON object of strings, e.g. '{\"lm1b/softmax_.*\": \"replicated\"}'. "
+                         f"Received: --placement={args.placement}.")
     if args.emulate_network:
         try:
             args.rate = netem.parse_rate(args.emulate_network)
@@ -138,7 +151,8 @@ def _bench(variant, args, out):
     return [sys.executable, *WORKER, "--variant", variant, "--model", args.model, "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--out", out, "--batch_norm", args.batch_norm,
             "--steps_per_execution", str(args.steps_per_execution), "--local_aggregation", args.local_aggregation] + (
-                ["--batch_size", str(args.batch_size)] if args.batch_size else [])
+                ["--batch_size", str(args.batch_size)] if args.batch_size else []) + (
+                ["--placement", args.placement] if args.placement else [])
 
 
 def _needs_ps(variant):
@@ -285,7 +299,7 @@ class Marks:
             *lines, pending = pending.split(b"\n")
             for line in lines:
                 self.seen[line.decode()], self.links[line.decode()] = self._hosts.counters()
-                self.cpu[line.decode()] = cpu.snapshot()
+                self.cpu[line.decode()] = cpu.snapshot(self.path)
 
     def reset(self):
         self.seen, self.cpu, self.links = {}, {}, {}
@@ -340,6 +354,7 @@ def run_once(variant, workers, args, hosts, marks, tmp):
     if result["sent_bytes"] is None:
         raise RuntimeError(f"{variant}@{workers} did not mark its timed steps")
     result["cpu_seconds"] = marks.cpu_seconds()
+    result["peak_rss_bytes"] = cpu.peak_memory(marks.cpu.get("stop"))
     result["busiest_link_bytes"] = marks.busiest_link()
     result["wall_seconds"] = time.monotonic() - started
     return result
@@ -378,9 +393,10 @@ def _tail(path, size=1500):
         return f"--- {os.path.basename(path)}\n" + f.read()[-size:]
 
 
-def summarize(runs, variant, workers, workers_per_host=1):
-    """One variant@workers entry of the report. The analytic floor assumes one worker per host; with several, what
-    they send each other stays off the links, so no floor is given (None)."""
+def summarize(runs, variant, workers, workers_per_host=1, placement=None):
+    """One variant@workers entry of the report. The analytic floor assumes one worker per host and the default
+    placement; with several workers per host (what they send each other stays off the links) or kparallax placement
+    rules, no floor is given (None)."""
     first = runs[0]
     medians = [statistics.median(r["step_seconds"]) for r in runs]
     per_second = [first["shape"]["items_per_step"] * workers / m for m in medians]
@@ -388,12 +404,16 @@ def summarize(runs, variant, workers, workers_per_host=1):
     roles = sorted({k for r in runs for k in r.get("cpu_seconds", {})})
     cpu_per_step = {k: statistics.median(r["cpu_seconds"].get(k, 0.0) / r["timed_steps"] for r in runs) for k in roles}
     busiest = [r["busiest_link_bytes"] / r["timed_steps"] for r in runs if r.get("busiest_link_bytes") is not None]
+    memory = {k: statistics.median(r["peak_rss_bytes"].get(k, 0) for r in runs)
+              for k in sorted({k for r in runs for k in r.get("peak_rss_bytes", {})})}
+    floor = workers_per_host == 1 and not (placement and variant.startswith("kparallax-"))
     return {"variant": variant, "workers": workers, "unit": first["shape"]["unit"] + "/s",
             "throughput": statistics.median(per_second), "throughput_min": min(per_second),
             "throughput_max": max(per_second), "ms_per_step": 1000 * statistics.median(medians),
             "bytes_per_step": statistics.median(measured), "floor_bytes_per_step": (
-                traffic.floor_bytes(first["shape"], variant, workers) if workers_per_host == 1 else None),
-            "cpu_seconds_per_step": cpu_per_step, "repeats": len(runs), "shape": first["shape"],
+                traffic.floor_bytes(first["shape"], variant, workers) if floor else None),
+            "cpu_seconds_per_step": cpu_per_step, "peak_rss_bytes": memory, "repeats": len(runs),
+            "shape": first["shape"],
             "busiest_link_bytes_per_step": statistics.median(busiest) if busiest else None}
 
 
@@ -403,8 +423,9 @@ def markdown(results, model):
     links = any(e.get("busiest_link_bytes_per_step") is not None for e in results.values())
     lines = [f"| variant | workers | throughput ({next(iter(results.values()))['unit']}) [min-max] | ms/step | "
              "bytes/step/worker (measured) | floor | measured/floor | "
-             + ("busiest link MB/step | " if links else "") + "CPU-s/step: workers+chief / PS / kernel / all |",
-             "|---|---|---|---|---|---|---|" + ("---|" if links else "") + "---|"]
+             + ("busiest link MB/step | " if links else "") + "CPU-s/step: workers+chief / PS / kernel / all | "
+             "peak RSS MB: largest worker / all PS |",
+             "|---|---|---|---|---|---|---|" + ("---|" if links else "") + "---|---|"]
     for entry in results.values():
         floor = entry["floor_bytes_per_step"]
         ratio = entry["bytes_per_step"] / floor if floor else float("nan")
@@ -414,7 +435,8 @@ def markdown(results, model):
         lines.append(f"| {entry['variant']} | {entry['workers']} | {entry['throughput']:.0f} "
                      f"[{entry['throughput_min']:.0f}-{entry['throughput_max']:.0f}] | {entry['ms_per_step']:.1f} | "
                      f"{entry['bytes_per_step'] / 1e6:.2f} MB | {floor_cell} | "
-                     f"{ratio_cell} | {link_cell}{_cpu_cell(entry.get('cpu_seconds_per_step', {}))} |")
+                     f"{ratio_cell} | {link_cell}{_cpu_cell(entry.get('cpu_seconds_per_step', {}))} | "
+                     f"{_memory_cell(entry.get('peak_rss_bytes', {}))} |")
     return f"Model {model}\n\n" + "\n".join(lines)
 
 
@@ -423,6 +445,12 @@ def _cpu_cell(seconds):
         return "-"
     return (f"{seconds['worker'] + seconds['chief']:.2f} / {seconds['ps']:.2f} / {seconds['kernel']:.2f} / "
             f"{seconds['total']:.2f}")
+
+
+def _memory_cell(peak):
+    if not peak:
+        return "-"
+    return f"{max(peak.get('worker', 0), peak.get('chief', 0)) / 1e6:.0f} / {peak.get('ps', 0) / 1e6:.0f}"
 
 
 def chart(results, path):
@@ -461,7 +489,7 @@ def main(argv=None):
     report = {"model": args.model, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
               "steps_per_execution": args.steps_per_execution, "local_aggregation": args.local_aggregation,
               "batch_size": args.batch_size, "ps": args.ps, "emulate_network": args.emulate_network,
-              "workers_per_host": args.workers_per_host,
+              "workers_per_host": args.workers_per_host, "placement": args.placement,
               "machine": {"cpus": os.cpu_count()}, "variants": results}
     with open(args.json, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2)
@@ -490,7 +518,7 @@ def run_all(args, hosts):
                     raw.setdefault(f"{variant}@{workers}", []).append(result)
             for variant in variants:
                 results[f"{variant}@{workers}"] = summarize(raw[f"{variant}@{workers}"], variant, workers,
-                                                            args.workers_per_host)
+                                                            args.workers_per_host, args.placement)
     return results
 
 

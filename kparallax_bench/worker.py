@@ -2,6 +2,7 @@
 
     python -m kparallax_bench.worker --variant V --model M --steps S --warmup W --batch_size B --out FILE [--partitions P]
         [--batch_norm per_worker|global] [--steps_per_execution N] [--local_aggregation auto|on|off]
+        [--placement JSON]
 
 Variants: kparallax-hybrid / -hybrid-async / -allreduce / -allreduce-dense / -ps (kparallax under kparallax-run), horovod /
 horovod-dense (plain Horovod Keras: hvd.DistributedOptimizer + BroadcastGlobalVariablesCallback; kparallax is never
@@ -41,15 +42,24 @@ def parse():
                              "horovod variants Keras' layer / hvd.SyncBatchNormalization")
     parser.add_argument("--local_aggregation", choices=("auto", "on", "off"), default="auto",
                         help="kparallax variants: HybridStrategy(local_aggregation=...)")
+    parser.add_argument("--placement", default=None, help="kparallax variants: HybridStrategy(placement=...), JSON")
     parser.add_argument("--steps_per_execution", type=int, default=1,
                         help="compile(steps_per_execution=N) in every variant")
     return parser.parse_args()
 
 
+def _is_lm1b(model_name):
+    """A preset name (``lm1b_small``) or the path of a JSON config, whose ``model`` field says which model."""
+    if model_name.endswith(".json"):
+        with open(model_name, encoding="utf-8") as f:
+            return json.load(f).get("model") == "lm1b"
+    return model_name.startswith("lm1b")
+
+
 def build(model_name, batch_size, workers, rank):
     import tensorflow as tf
     from kparallax_models import imagenet_data, lm1b, resnet
-    if model_name.startswith("lm1b"):
+    if _is_lm1b(model_name):
         config = lm1b.preset(model_name, **({"batch_size": batch_size} if batch_size else {}))
         x, y = traffic.lm1b_windows(config, seed=rank)
         data = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(config.batch_size, drop_remainder=True)
@@ -181,7 +191,9 @@ def main():
                                      sparse_as_dense=variant == "kparallax-allreduce-dense",
                                      partitions=args.partitions, sync=variant != "kparallax-hybrid-async",
                                      sync_batch_norm=args.batch_norm == "global",
-                                     local_aggregation={"auto": "auto", "on": True, "off": False}[args.local_aggregation])
+                                     local_aggregation={"auto": "auto", "on": True,
+                                                        "off": False}[args.local_aggregation],
+                                     placement=json.loads(args.placement) if args.placement else None)
         workers, rank = strategy.num_workers, strategy.worker_index
         timer = step_timer(args.warmup, rank, f"{variant}@{workers}")
         make_model, make_optimizer, loss, data, info = build(args.model, args.batch_size, workers, rank)

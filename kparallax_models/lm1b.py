@@ -1,7 +1,9 @@
 """The LM1B language model (Jozefowicz et al. 2016, "Exploring the Limits of Language Modeling") as Parallax
 trained it: word embedding [V, E] -> dropout -> one LSTM with H units and a projection to P -> dropout ->
 sampled softmax over a [V, P] softmax matrix (plus a [V] bias). Both the embedding and the softmax matrix get
-sparse gradients, so both are ``tf.keras.layers.Embedding`` tables (kparallax puts them on PS tasks). Gradients
+sparse gradients, so both are ``tf.keras.layers.Embedding`` tables (kparallax puts them on PS tasks, in row shards
+with ``partitions``); ``softmax="weights"`` makes the softmax matrix and bias the model's own ``add_weight``
+variables instead, which kparallax moves onto PS tasks whole at the first step. Gradients
 of the LSTM are clipped to a global norm of ``clip_norm``. Evaluation uses the full softmax and reports perplexity.
 """
 
@@ -27,6 +29,10 @@ class LMConfig:
     learning_rate: float = 0.2      # Adagrad
     num_steps: int = 20             # unrolled LSTM steps per window
     batch_size: int = 128           # per worker
+    # How the softmax matrix and bias are made: "embedding" (tf.keras.layers.Embedding tables) or "weights" (the
+    # model's own add_weight variables, as a plain TensorFlow program passes them to a sampled softmax; kparallax
+    # finds their sparse gradients at the first step and moves them onto PS tasks whole).
+    softmax: str = "embedding"
 
     def __post_init__(self):
         for name in ("vocab_size", "embedding_dim", "lstm_units", "projection_dim", "num_sampled", "num_steps",
@@ -37,6 +43,8 @@ class LMConfig:
         if self.num_sampled >= self.vocab_size:
             raise ValueError(f"num_sampled must be smaller than vocab_size. Received: num_sampled={self.num_sampled}, "
                              f"vocab_size={self.vocab_size}.")
+        if self.softmax not in ("embedding", "weights"):
+            raise ValueError(f"softmax must be 'embedding' or 'weights'. Received: softmax={self.softmax!r}.")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1). Received: dropout={self.dropout!r}.")
 
@@ -174,17 +182,31 @@ class LM1B(tf.keras.Model):
                                                         name="word_embedding")
         self.lstm = tf.keras.layers.RNN(LSTMProjectionCell(config.lstm_units, config.projection_dim),
                                         return_sequences=True, name="lstm")
-        self.softmax_w = tf.keras.layers.Embedding(config.vocab_size, config.projection_dim, name="softmax_w")
-        self.softmax_b = tf.keras.layers.Embedding(config.vocab_size, 1, embeddings_initializer="zeros",
-                                                   name="softmax_b")
+        if config.softmax == "embedding":
+            self.softmax_w = tf.keras.layers.Embedding(config.vocab_size, config.projection_dim, name="softmax_w")
+            self.softmax_b = tf.keras.layers.Embedding(config.vocab_size, 1, embeddings_initializer="zeros",
+                                                       name="softmax_b")
         self.loss_tracker = tf.keras.metrics.Mean(name="loss")
         self.build_all()
 
     def build_all(self):
         self(tf.zeros([1, 1], tf.int32))
+        if self.config.softmax == "weights":
+            with tf.name_scope(self.name):
+                self.softmax_weights = self.add_weight(
+                    "softmax_w", [self.config.vocab_size, self.config.projection_dim],
+                    initializer=tf.keras.initializers.RandomUniform(-0.05, 0.05))  # Embedding's default
+                self.softmax_biases = self.add_weight("softmax_b", [self.config.vocab_size, 1], initializer="zeros")
+            return
         for layer in (self.softmax_w, self.softmax_b):  # used through their tables only, never called
             with tf.name_scope(f"{self.name}/{layer.name}"):
                 layer.build((None,))
+
+    def softmax_tables(self):
+        """The softmax matrix [V, P] and bias [V, 1] (variables, or a partitioned table's container)."""
+        if self.config.softmax == "weights":
+            return self.softmax_weights, self.softmax_biases
+        return self.softmax_w.embeddings, self.softmax_b.embeddings
 
     def step_seed(self, use):
         """The stateless seed of random ``use`` (1: input dropout, 2: output dropout, 3: sampler) at this step."""
@@ -215,8 +237,7 @@ class LM1B(tf.keras.Model):
             hidden = self(ids, training=True)
             candidates = log_uniform_candidates(tf.reshape(tf.cast(targets, tf.int64), [-1, 1]),
                                                 self.config.num_sampled, self.config.vocab_size, self.step_seed(3))
-            loss = sampled_softmax_loss(self.softmax_w.embeddings, self.softmax_b.embeddings, targets, hidden,
-                                        candidates)
+            loss = sampled_softmax_loss(*self.softmax_tables(), targets, hidden, candidates)
         variables = self.trainable_variables
         # compute_gradients (not tape.gradient) so that an optimizer wrapper that reduces gradients there, like
         # horovod's DistributedOptimizer, sees them; for plain Keras optimizers it is tape.gradient.
@@ -232,9 +253,9 @@ class LM1B(tf.keras.Model):
     def test_step(self, data):
         ids, targets = data[0], data[1]
         hidden = tf.reshape(self(ids, training=False), [-1, self.config.projection_dim])
-        weights = tf.convert_to_tensor(self.softmax_w.embeddings)
-        logits = tf.matmul(hidden, weights, transpose_b=True) + tf.reshape(
-            tf.convert_to_tensor(self.softmax_b.embeddings), [-1])
+        weights, biases = self.softmax_tables()
+        logits = tf.matmul(hidden, tf.convert_to_tensor(weights), transpose_b=True) + tf.reshape(
+            tf.convert_to_tensor(biases), [-1])
         loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(tf.reshape(targets, [-1]), logits))
         self.loss_tracker.update_state(loss)
         return self._logs()

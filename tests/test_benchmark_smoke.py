@@ -91,6 +91,28 @@ def test_steps_per_execution_applies_to_every_variant(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_a_json_config_and_placement_rules_reach_the_kparallax_variants(tmp_path):
+    """--model takes a JSON config (here LM1B with its own softmax weights), --placement kparallax's rules (one of
+    them kept replicated): the report records them, gives no floor for the kparallax variant (the analytic one
+    assumes the default placement), and every variant reports its peak memory."""
+    config = json.loads(open(os.path.join(ROOT, "configs", "lm1b_tiny.json"), encoding="utf-8").read())
+    (tmp_path / "weights.json").write_text(json.dumps({**config, "softmax": "weights"}))
+    out = tmp_path / "placed.json"
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "benchmark.py"), "--model",
+                           str(tmp_path / "weights.json"), "--workers", "2", "--steps", "2", "--warmup", "1",
+                           "--repeats", "1", "--batch_size", "4", "--variants", "kparallax-hybrid,horovod",
+                           "--placement", '{"lm1b/softmax_b": "replicated"}', "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["placement"] == '{"lm1b/softmax_b": "replicated"}'
+    hybrid, horovod = report["variants"]["kparallax-hybrid@2"], report["variants"]["horovod@2"]
+    assert hybrid["floor_bytes_per_step"] is None and horovod["floor_bytes_per_step"] > 0
+    assert hybrid["peak_rss_bytes"]["worker"] > 100e6 and hybrid["peak_rss_bytes"]["ps"] > 100e6, hybrid
+    assert horovod["peak_rss_bytes"]["worker"] > 100e6 and horovod["peak_rss_bytes"]["ps"] == 0, horovod
+
+
+@pytest.mark.multiprocess
 def test_several_workers_per_emulated_host(tmp_path):
     """--workers_per_host 2: 4 workers on 2 emulated 1 Gbit/s hosts (ranks 0-1 on host 0, 2-3 on host 1). kparallax's
     cluster file lists two workers per host, Horovod's rendezvous two slots per host; only what crosses hosts is
@@ -127,7 +149,9 @@ def test_bad_arguments_are_named():
                            "--workers=3, --workers_per_host=2"),
                           (["--emulate-network", "1gbit", "--workers_per_host", "2", "--workers", "4", "--ps", "3"],
                            "Received: --ps=3"),
-                          (["--json", "/nonexistent-dir/b.json"], "Received: --json=/nonexistent-dir/b.json")):
+                          (["--json", "/nonexistent-dir/b.json"], "Received: --json=/nonexistent-dir/b.json"),
+                          (["--placement", "{ps}"], "--placement must be a JSON object"),
+                          (["--placement", '["ps"]'], "Received: --placement=[\"ps\"]")):
         done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "benchmark.py"), *argv],
                               capture_output=True, text=True, timeout=120, check=False)
         assert done.returncode == 2 and message in done.stderr, done.stderr

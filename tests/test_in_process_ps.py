@@ -5,6 +5,7 @@ and the aggregation math without the launcher. Expected values come from plain K
 """
 
 import contextlib
+import logging
 import threading
 
 import numpy as np
@@ -728,3 +729,216 @@ def test_checkpoints_that_would_miss_the_ps_side_optimizer_state_are_refused(str
         dense.compile(optimizer="sgd", loss="mse")
     dense.fit(x.astype(np.float32), y, batch_size=16, verbose=0)
     tf.train.Checkpoint(model=dense).save(str(tmp_path / "dense" / "ckpt"))
+
+
+class _OwnLookup(tf.keras.layers.Layer):
+    """A user's own embedding layer: a table and a per-id bias made with add_weight, read with
+    tf.nn.embedding_lookup and tf.gather (their gradients are tf.IndexedSlices), the table also kept in a list of
+    the layer's own (a reference kparallax never sees)."""
+
+    def build(self, input_shape):
+        self.table = self.add_weight("table", [VOCAB, EMB], initializer="glorot_uniform")
+        self.bias = self.add_weight("bias", [VOCAB], initializer="zeros")
+        self.mine = [self.table]
+
+    def call(self, ids):
+        return tf.nn.embedding_lookup(self.mine[0], ids) + tf.gather(self.bias, ids)[..., None]
+
+
+def _own_lookup_model(name):
+    inputs = tf.keras.Input((LEN,), dtype=tf.int32)
+    x = tf.keras.layers.Flatten()(_OwnLookup(name=f"{name}_lookup")(inputs))
+    return tf.keras.Model(inputs, tf.keras.layers.Dense(1, name=f"{name}_out")(x), name=name)
+
+
+def _fit_own_lookup(model, x, y):
+    model.set_weights(_initial(model))
+    model.compile(optimizer=tf.keras.optimizers.Adam(0.05), loss="mse")
+    before = model.evaluate(x, y, batch_size=32, verbose=0)  # traced with the variables where they were made
+    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history["loss"]
+    return before, history, model.evaluate(x, y, batch_size=32, verbose=0)
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_variables_with_sparse_gradients_move_to_the_ps_and_train_like_plain_keras(strategy, policy):
+    x, y = _data()
+    tf.keras.mixed_precision.set_global_policy(policy)
+    try:
+        plain = _own_lookup_model("plain_own")
+        expected = _fit_own_lookup(plain, x, y)
+        with strategy.scope():
+            model = _own_lookup_model(f"fast_own_{policy}")
+            layer = model.get_layer(f"fast_own_{policy}_lookup")
+            table, bias = layer.table, layer.bias
+            assert not strategy.is_ps_variable(table), "replicated until a traced step shows its gradient"
+            got = _fit_own_lookup(model, x, y)
+    finally:
+        tf.keras.mixed_precision.set_global_policy("float32")
+    assert layer.table is table and layer.mine[0] is table, "the same objects, moved"
+    for variable in (table, bias):
+        assert strategy.is_ps_variable(variable) and "/job:ps/" in variable.device, variable.name
+        path = strategy.ps_info(variable)[0]
+        assert strategy.push_counts()[path] == 12  # 96 / 16 per epoch, 2 epochs, one worker
+    dense = model.get_layer(f"fast_own_{policy}_out").kernel
+    assert not strategy.is_ps_variable(dense) and "/job:ps/" not in dense.device
+    for a, b in zip(model.get_weights(), plain.get_weights()):  # one worker: the same math, float16 or not
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[1], expected[1], rtol=1e-5)
+    np.testing.assert_allclose([got[0], got[2]], [expected[0], expected[2]], rtol=1e-5)
+
+
+def test_a_placement_rule_keeps_a_sparse_gradient_variable_replicated(strategy):
+    x, y = _data()
+    plain = _own_lookup_model("plain_kept")
+    expected = _fit_own_lookup(plain, x, y)
+    with kp.HybridStrategy(strategy.cluster, placement={r"fast_kept_lookup/table": "replicated"}).scope() as scope:
+        model = _own_lookup_model("fast_kept")
+        got = _fit_own_lookup(model, x, y)
+    del scope
+    layer = model.get_layer("fast_kept_lookup")
+    assert "/job:ps/" not in layer.table.device  # the rule holds: its rows are allgathered
+    assert "/job:ps/" in layer.bias.device  # no rule names it: moved
+    for a, b in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[1], expected[1], rtol=1e-5)
+
+
+def test_with_partitions_a_sparse_gradient_variable_moves_whole_and_a_rule_splits_it(strategy):
+    """partitions=2 splits Keras' Embedding tables when they are made; a variable found sparse later moves whole,
+    with a warning naming the rule that splits it, and that rule ("ps:3") gives a table of 3 stripes."""
+    x, y = _data()
+    plain = _own_lookup_model("plain_parted")
+    expected = _fit_own_lookup(plain, x, y)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("kparallax").addHandler(handler)
+    try:
+        with kp.HybridStrategy(strategy.cluster, partitions=2,
+                               placement={"fast_parted_lookup/table": "ps:3"}).scope() as parted:
+            model = _own_lookup_model("fast_parted")
+            got = _fit_own_lookup(model, x, y)
+    finally:
+        logging.getLogger("kparallax").removeHandler(handler)
+    layer = model.get_layer("fast_parted_lookup")
+    assert len(layer.table.variables) == 3 and parted.registry.table_of(layer.table.variables[0]) is not None
+    assert parted.is_ps_variable(layer.bias) and parted.registry.table_of(layer.bias) is None
+    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "fast_parted_lookup/bias moved onto ps[0] whole" in warnings[0], warnings
+    assert "placement={'fast_parted_lookup/bias': 'ps:2'}" in warnings[0]
+    for a, b in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[1], expected[1], rtol=1e-5)
+
+
+def test_architecture_allreduce_keeps_sparse_gradient_variables_replicated(strategy):
+    with kp.HybridStrategy(strategy.cluster, architecture="allreduce").scope():
+        model = _own_lookup_model("fast_allreduce_own")
+        _fit_own_lookup(model, *_data())
+    assert not any("/job:ps/" in v.device for v in model.trainable_variables)
+
+
+@pytest.mark.parametrize("family", ["new", "legacy"])
+def test_moved_variables_save_the_optimizer_state_one_process_saves(strategy, tmp_path, family):
+    """model.save of a model whose own add_weight table moved onto the PS: the file holds the optimizer state plain
+    Keras saves for the same training, and a plain process goes on training from it exactly. A save before the
+    first step (which builds the optimizer over the still-replicated table) changes nothing."""
+    x, y = _data()
+    adam = tf.keras.optimizers.Adam if family == "new" else tf.keras.optimizers.legacy.Adam
+    models = []
+    for name, scope in ((f"plain_moved_saved_{family}", contextlib.nullcontext()),
+                        (f"fast_moved_saved_{family}", strategy.scope())):
+        with scope:
+            model = _own_lookup_model(name)
+            model.set_weights(_initial(model))
+            model.compile(optimizer=adam(0.05), loss="mse")
+            model.save(str(tmp_path / f"{name}_initial.keras"))
+        model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+        model.save(str(tmp_path / f"{name}.keras"))
+        models.append(tf.keras.models.load_model(str(tmp_path / f"{name}.keras"),
+                                                 custom_objects={"_OwnLookup": _OwnLookup}))
+    assert strategy.is_ps_variable(model.get_layer(f"fast_moved_saved_{family}_lookup").table)
+    want, got = (_optimizer_state(m) for m in models)
+    assert len(got) == len(want) >= 1 + 2 * len(model.trainable_variables)  # iterations (+ legacy's hypers), m, v
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for loaded in models:
+        loaded.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    for a, b in zip(*(m.get_weights() for m in models)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_sparse_gradient_variable_in_a_step_traced_outside_fit_is_refused(strategy):
+    """Only fit / train_on_batch can move a variable before their first step: a step traced elsewhere would
+    otherwise train it where it is not meant to be. One error names it and the fix."""
+    x, y = _data()
+    with strategy.scope():
+        model = _own_lookup_model("fast_outside_fit")
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss="mse")
+    step = tf.function(lambda: model.train_step((tf.constant(x[:16]), tf.constant(y[:16]))))
+    with pytest.raises(ValueError, match=r"traced outside the model's fit / train_on_batch.*"
+                                         r"placement=\{'fast_outside_fit_lookup/table': 'ps'\}"):
+        step()
+    model.train_on_batch(x[:16], y[:16])  # which moves them
+    assert strategy.is_ps_variable(model.get_layer("fast_outside_fit_lookup").table)
+
+
+def test_lm1b_with_softmax_weights_of_its_own_moves_them_and_trains_like_plain_keras(strategy):
+    """The LM1B model with softmax="weights" (add_weight variables passed to its sampled softmax, as a plain
+    TensorFlow program writes it): they move onto the PS and the model trains as in plain Keras."""
+    from kparallax_models import lm1b  # pylint: disable=import-outside-toplevel
+    config = lm1b.preset("lm1b_tiny", softmax="weights", batch_size=4)
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, config.vocab_size, size=(24, config.num_steps + 1)).astype(np.int32)
+    data = tf.data.Dataset.from_tensor_slices((ids[:, :-1], ids[:, 1:])).batch(config.batch_size)
+    models = []
+    for scope in (contextlib.nullcontext(), strategy.scope()):
+        with scope:
+            model = lm1b.LM1B(config, seed=1)
+            model.set_weights([np.random.default_rng(8).normal(scale=0.1, size=w.shape).astype(np.float32)
+                               for w in model.get_weights()])
+            model.compile(optimizer=lm1b.make_optimizer(config))
+            model.fit(data, epochs=1, verbose=0)
+        models.append(model)
+    assert [w.name for w in models[1].trainable_weights][-2:] == ["lm1b/softmax_w:0", "lm1b/softmax_b:0"]
+    assert all(strategy.is_ps_variable(v) for v in models[1].softmax_tables())
+    for a, b in zip(*(m.get_weights() for m in models)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_moved_variables_resume_from_a_checkpoint_and_loaded_state_is_not_lost(strategy, tmp_path):
+    """A kparallax checkpoint records which variables moved onto the PS: a fresh model restoring it moves them
+    before setting their state and goes on as plain Keras' unbroken run. Optimizer state that Keras' own loaders
+    gave the still-replicated variables before the first step would be lost by the move: refused, naming the rule."""
+    x, y = _data()
+    plain = _own_lookup_model("plain_moved_resume")
+    plain.set_weights(_initial(plain))
+    plain.compile(optimizer=tf.keras.optimizers.Adam(0.05), loss="mse")
+    plain.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    with strategy.scope():
+        first = _own_lookup_model("fast_moved_resume")
+        first.set_weights(_initial(first))
+        first.compile(optimizer=tf.keras.optimizers.Adam(0.05), loss="mse")
+        first.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        written = kp.checkpoint.save(strategy, first, str(tmp_path / "ckpt"))
+        first.save_weights(str(tmp_path / "weights" / "w"))  # TensorFlow's format: with the optimizer state
+        again = _own_lookup_model("fast_moved_resume")  # the same program, run again
+        again.compile(optimizer=tf.keras.optimizers.Adam(0.05), loss="mse")
+        kp.checkpoint.restore(strategy, again, written)
+        assert strategy.is_ps_variable(again.get_layer("fast_moved_resume_lookup").table)
+        again.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        loaded = _own_lookup_model("fast_moved_resume")
+        loaded.compile(optimizer=tf.keras.optimizers.Adam(0.05), loss="mse")
+        loaded.load_weights(str(tmp_path / "weights" / "w"))
+        with pytest.raises(ValueError, match=r"the optimizer already holds their trained state here.*"
+                                             r"placement=\{'fast_moved_resume_lookup/table': 'ps'\}"):
+            loaded.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    rules = {"fast_moved_resume_lookup/table": "ps", "fast_moved_resume_lookup/bias": "ps"}
+    with kp.HybridStrategy(strategy.cluster, placement=rules).scope():  # the fix the error names
+        ruled = _own_lookup_model("fast_moved_resume")
+        ruled.compile(optimizer=tf.keras.optimizers.Adam(0.05), loss="mse")
+        ruled.load_weights(str(tmp_path / "weights" / "w"))
+        ruled.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    for model in (again, ruled):
+        for a, b in zip(model.get_weights(), plain.get_weights()):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -2,7 +2,8 @@
 mask_zero + LSTM with validation_split and Keras callbacks, a custom train_step, an adapted TextVectorization, the lookup/hashing/normalization/discretization layers, two models sharing a layer,
 ModelCheckpoint/CSVLogger/TensorBoard(histograms)/BackupAndRestore, mixed_float16, BatchNormalization with global
 statistics, losses reduced by "sum" and "none", loss and metric functions returning one scalar (a sum, a mean), a model trained by add_loss alone, a dataset with a partial last batch (compiled losses; a custom train_step's own loss through BatchNormalization and an activity regularizer), masked per-step losses (mask_zero, ignore_class), weighted_metrics, Conv1D + GRU with validation_data and
-evaluate, a stateful LSTM, run_eagerly without tables, a second optimizer in a custom train_step, fine-tuning a frozen base after compiling again, compute_loss overridden,
+evaluate, a stateful LSTM, run_eagerly without tables, a second optimizer in a custom train_step, fine-tuning a frozen base after compiling again, compute_loss overridden, a user's own embedding layer (add_weight
+tables with sparse gradients, moved onto the PS),
 a train_on_batch loop from per-worker
 random initializations) on 2 workers + 1 PS equal the same programs in one plain process on
 the global batch (issue 14)."""
@@ -31,6 +32,10 @@ def test_keras_programs_match_one_plain_process(tmp_path):
     run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "train_keras_programs.py"), str(got),
                              "kparallax"], log_dir=str(tmp_path / "logs"), workers=2, ps=1, timeout=300)
     assert run.returncode == 0, run.report()
+    # own_embedding_layer's add_weight table and bias get sparse gradients: moved onto the PS at the first step.
+    for name in ("worker-0.log", "worker-1.log"):
+        for path, shape in (("own_embedding/table", "[120, 6]"), ("own_embedding/bias", "[120]")):
+            assert f"placement: {path} {shape} -> ps[0]" in run.logs()[name], (name, path)
     for name in keras_programs.PROGRAMS:
         a, b = np.load(ref / f"{name}.npz"), np.load(got / f"{name}.npz")
         assert a.files == b.files, name

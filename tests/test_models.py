@@ -30,6 +30,19 @@ def test_lm1b_parameter_counts_and_config_round_trip(name, expected):
     assert again.config == model.config and _trainable(again) == expected
 
 
+def test_lm1b_softmax_weights_of_its_own_are_the_same_parameters_with_sparse_gradients():
+    model = lm1b.LM1B(lm1b.preset("lm1b_tiny", softmax="weights"))
+    assert _trainable(model) == 148688 and lm1b.LM1B.from_config(model.get_config()).config.softmax == "weights"
+    ids = tf.constant(np.arange(20).reshape(2, 10), tf.int32)
+    with tf.GradientTape() as tape:
+        candidates = lm1b.log_uniform_candidates(tf.reshape(tf.cast(ids, tf.int64), [-1, 1]), 16,
+                                                 model.config.vocab_size, tf.constant([0, 0], tf.int64))
+        loss = lm1b.sampled_softmax_loss(*model.softmax_tables(), ids, model(ids), candidates)
+    assert all(isinstance(g, tf.IndexedSlices) for g in tape.gradient(loss, list(model.softmax_tables())))
+    with pytest.raises(ValueError, match=r"softmax must be 'embedding' or 'weights'. Received: softmax='dense'"):
+        lm1b.preset("lm1b_tiny", softmax="dense")
+
+
 def test_full_lm1b_size():
     c = lm1b.preset("lm1b")
     assert (c.vocab_size, c.embedding_dim, c.lstm_units, c.projection_dim, c.num_sampled) == (793471, 512, 2048, 512, 8192)

@@ -147,6 +147,18 @@ def copy_loss_scale(source, target):
         target.dynamic_counter.assign(source.dynamic_counter)
 
 
+def holds_slots(optimizer, variable):
+    """Whether ``optimizer`` (a ``LossScaleOptimizer``: its inner one) has slot variables for ``variable``: it was
+    built over it and keeps state per variable (private ``_index_dict`` of Keras 2.11+ optimizers, keyed by
+    ``_var_key``; ``_slots`` of legacy ones, keyed by ``optimizer_v2._var_key``)."""
+    # pylint: disable=protected-access
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
+    if optimizer_family(optimizer) == "new":
+        return optimizer._var_key(variable) in getattr(optimizer, "_index_dict", {}) and len(optimizer.variables) > 1
+    from keras.src.optimizers.legacy import optimizer_v2  # pylint: disable=import-outside-toplevel
+    return bool(getattr(optimizer, "_slots", {}).get(optimizer_v2._var_key(variable)))
+
+
 def optimizer_variables(optimizer):
     """The optimizer's own variables (iterations, slots, ...) in creation order, for either family."""
     if optimizer_family(optimizer) == "new":
@@ -313,6 +325,22 @@ def minimum_control_deps(outputs):
     """Keras' own choice of what ``_train_counter`` waits for after a step (private ``_minimum_control_deps``)."""
     from keras.src.engine import training as keras_training  # pylint: disable=import-outside-toplevel
     return keras_training._minimum_control_deps(outputs)  # pylint: disable=protected-access
+
+
+def reset_traced_functions(model):
+    """Makes ``model`` trace its train, test and predict functions again at their next use (after one of its
+    variables moved to a PS task: the functions traced before hold the old variable's handle)."""
+    model.train_function = None
+    model.test_function = None
+    model.predict_function = None
+
+
+def layers_holding(model, variable):
+    """The layers of ``model`` that list ``variable`` among their own weights (Keras' private weight lists, by
+    object identity)."""
+    return [layer for layer in model._flatten_layers()  # pylint: disable=protected-access
+            if any(w is variable for w in getattr(layer, "_trainable_weights", []) + getattr(
+                layer, "_non_trainable_weights", []))]
 
 
 def replace_weights(model, old_shards, old_sharded, new_shards, new_sharded):

@@ -72,6 +72,40 @@ def shared_variable(shared_name, container, shape, dtype, device, trainable, con
         unique_id=f"{shared_name}_{_ops.uid()}", handle_name=name or shared_name, in_graph_mode=False)
 
 
+# What ``rehome`` takes from the shared variable: the resource handle and what TF 2.15's ``BaseResourceVariable``
+# derives from it (private attributes set in its ``__init__``). The name, unique id, trainable flag, constraint,
+# shape and dtype stay the variable's own.
+_HANDLE_STATE = ("_handle", "_graph_element", "_cached_value", "_initializer_op", "_is_initialized_op",
+                 "_initial_value", "_caching_device", "_in_graph_mode")
+
+
+def rehome(variable, shared):
+    """Points the resource variable ``variable`` at ``shared``'s resource (a ``shared_variable`` on a PS task).
+
+    Every reference to the ``variable`` object (a layer's attribute, a list of a user's, Keras' weight lists, an
+    ``AutoCastVariable`` around it) then reads and writes the shared variable; its name and unique id (Keras'
+    optimizer keys) do not change. The old resource is freed: a function traced before fails if called again, so
+    retrace them. Replaces the private attributes of ``_HANDLE_STATE`` on the object (TF 2.15; it has no public way
+    to move a variable)."""
+    if not isinstance(variable, _rv.BaseResourceVariable) or variable.shape != shared.shape \
+            or variable.dtype != shared.dtype:
+        raise TypeError(f"Only a resource variable can move onto a PS variable of its shape and dtype. Received: "
+                        f"{type(variable).__name__} {getattr(variable, 'name', variable)!r} and {shared!r}.")
+    old = variable.handle
+    for name in _HANDLE_STATE:
+        setattr(variable, name, getattr(shared, name))
+    # A function traced before that still holds the old handle then fails loudly instead of training a stale copy.
+    with tf.device(old.device):
+        _gen_rv.destroy_resource_op(old, ignore_lookup_error=True)
+
+
+def unwrapped(variable):
+    """The resource variable inside a Keras ``AutoCastVariable`` (mixed precision; private ``_variable``), else
+    ``variable``."""
+    inner = getattr(variable, "_variable", None) if isinstance(variable, tf.Variable) else None
+    return inner if isinstance(inner, tf.Variable) else variable
+
+
 def is_initialized(variable):
     return bool(_gen_rv.var_is_initialized_op(variable.handle).numpy())
 

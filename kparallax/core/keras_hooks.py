@@ -195,7 +195,10 @@ def _keras_weights():
 
 
 def _bind_method(obj, name, function, *extra):
-    obj.__dict__[name] = types.MethodType(functools.partial(function, *extra) if extra else function, obj)
+    if extra:
+        function = functools.partial(function, *extra)
+        function.__name__ = function.__qualname__ = name  # AutoGraph reads it (a user's tf.function calling it)
+    obj.__dict__[name] = types.MethodType(function, obj)
 
 
 def bind_layer(layer, strategy):
@@ -263,16 +266,56 @@ def _make_train_function(original, model, force=False):
     barrier (Keras' in-graph loop does not keep the PS update of one step before the reads of the next)."""
     if model.train_function is not None and not force:
         return model.train_function
-    single = keras_compat.single_step_train_function(model, original)
+    functions = [keras_compat.single_step_train_function(model, original)]
 
     def train_function(iterator):
+        if len(functions) == 1:
+            functions.append(_placed(original, model, functions[0], iterator))
+            model.train_function = train_function  # Keras' make_train_function, called again there, replaced it
         outputs = None
         for _ in range(keras_compat.steps_per_execution(model)):  # Keras lowers it for an epoch's last execution
-            outputs = single(iterator)
+            outputs = functions[-1](iterator)
         return outputs
 
     model.train_function = train_function
     return train_function
+
+
+def _placed(original, model, single, iterator):
+    """Before the first step of ``single`` (a traced one-step train function): traces it without running it. If
+    that trace found replicated variables with sparse gradients (``train_step.route``: under ``hybrid`` they belong
+    on PS tasks, as Embedding tables do), moves them there (``HybridStrategy.move_to_ps``) and returns a train
+    function traced anew; else ``single``, whose trace the first step reuses. No batch is consumed."""
+    state = compiled(model)
+    if (not hasattr(single, "get_concrete_function") or tf.config.functions_run_eagerly()
+            or state.step.moves_sparse is None):
+        return single  # run_eagerly: an eager step cannot use PS variables
+    state.step.probing, state.step.decided = True, False
+    try:
+        single.get_concrete_function(iterator)
+    finally:
+        state.step.probing = False
+    moving, state.step.pending_moves = state.step.pending_moves, []
+    if not moving:
+        return single
+    # The optimizer may hold slots for them already (built by a saver or a loader before the first step). Initial
+    # ones (no step taken) are the state the PS-side copies start from; trained ones the move would lose.
+    held = [v.name for v in moving if keras_compat.holds_slots(model.optimizer, v)]
+    if held and int(model.optimizer.iterations.numpy()):
+        raise ValueError(
+            f"Variable(s) {held} get sparse gradients (tf.IndexedSlices), so under architecture='hybrid' they live on "
+            "PS tasks, but the optimizer already holds their trained state here (loaded before the first step, e.g. "
+            "by load_weights, BackupAndRestore or strategy.load_model), which moving them would lose. Received: "
+            f"optimizer state after {int(model.optimizer.iterations.numpy())} step(s) for replicated variables "
+            f"{held}. Name them in a placement rule so they are made where they belong, e.g. "
+            f"placement={{{held[0].split(':')[0]!r}: 'ps'}} (or 'replicated' to allgather their rows); saved state "
+            "loads either way.")
+    state.strategy.move_to_ps(model, moving)
+    _guard_tracking(state.strategy, model, model.optimizer)
+    if state.strategy.is_chief and model.__dict__.get("_kparallax_announced"):
+        print("kparallax: moved to PS (sparse gradients): " + "; ".join(
+            f"{v.name.split(':')[0]} -> ps[{state.strategy.ps_info(v)[1]}]" for v in moving), flush=True)
+    return keras_compat.single_step_train_function(model, original)
 
 
 def _train_step(original, model, data):

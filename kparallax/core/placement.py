@@ -4,7 +4,9 @@ Placement is data: a mapping from a regular expression over variable paths (``"e
 ``"ps"``, ``"ps:P"`` (on PS, split row-wise into P shards) or ``"replicated"``. Defaults depend on the
 architecture: ``hybrid`` puts every ``tf.keras.layers.Embedding`` table on PS and replicates the rest; ``ps`` puts
 every trainable variable on PS; ``allreduce`` replicates everything (a rule mapping to PS is then an error).
-User rules override the default; a path matched by two user rules is an error.
+User rules override the default; a path matched by two user rules is an error. Under ``hybrid``, a replicated
+trainable variable that no rule names and whose gradient turns out sparse moves onto a PS task at the first step
+(``for_sparse_gradient``), as Parallax places variables by their gradients' type.
 """
 
 import dataclasses
@@ -115,6 +117,23 @@ class Placement:
         rows = shard_rows(num_rows, parts) if parts > 1 else (num_rows,)
         row_size = math.prod(int(d) for d in shape[1:])
         return Decision(PS, why, tuple(self.assign(r * row_size) for r in rows), rows, auto)
+
+    def moves_sparse(self, path: str) -> bool:
+        """Whether the replicated trainable variable ``path`` goes onto a PS task if its gradient is sparse (see
+        ``for_sparse_gradient``)."""
+        return (self._architecture == "hybrid" and bool(self._ps_load)
+                and not any(r.fullmatch(path) for _, r, _, _ in self._rules))
+
+    def for_sparse_gradient(self, path: str, shape) -> Optional[Decision]:
+        """Where a replicated trainable variable goes once its gradient is found to be sparse (``tf.IndexedSlices``)
+        in the first traced step: under ``hybrid``, onto the least-loaded PS task, whole (a variable cannot become
+        row shards in place; a ``"ps:P"`` rule splits it when it is created). None when it stays replicated: any
+        other architecture, a placement rule naming it (the user chose), or no PS task."""
+        if not self.moves_sparse(path):
+            return None
+        row_size = math.prod(int(d) for d in shape[1:]) if len(shape) > 1 else 1
+        rows = (shape[0] if shape else 0,)
+        return Decision(PS, "its gradient is sparse (tf.IndexedSlices)", (self.assign(rows[0] * row_size),), rows)
 
     def settle_auto(self, partitions: int):
         """After the ``"auto"`` search: tables created from now on get ``partitions`` shards, no new search."""

@@ -11,6 +11,8 @@ from typing import Dict, List, Optional
 
 import tensorflow as tf
 
+from kparallax._compat import tf as tf_compat
+
 
 @dataclasses.dataclass
 class PsEntry:
@@ -20,6 +22,7 @@ class PsEntry:
     table: Optional[object] = None   # tables.Table when the variable is a shard of a partitioned table
     shard: Optional[int] = None
     helpers: Dict[str, tf.Variable] = dataclasses.field(default_factory=dict)
+    moved: bool = False              # made replicated, moved here at the first step (its gradient is sparse)
 
 
 class Registry:
@@ -45,6 +48,17 @@ class Registry:
         self._entries[variable.ref()] = PsEntry(variable, path, task, table, shard)
         return variable
 
+    def move(self, variable, path, task):
+        """Moves the replicated ``variable`` onto PS ``task`` as the shared variable ``path`` and registers it: the
+        chief writes its current value there, then the object itself is pointed at the shared one
+        (``_compat.tf.rehome``), so every reference to it reaches the PS. Returns ``variable``."""
+        inner = tf_compat.unwrapped(variable)
+        shared = self._store.create(path, inner.shape, inner.dtype, inner.read_value, task,
+                                    trainable=inner.trainable, constraint=inner.constraint)
+        tf_compat.rehome(inner, shared)
+        self._entries[inner.ref()] = PsEntry(inner, path, task, moved=True)
+        return variable
+
     def remove(self, variable):
         """Forgets ``variable``; returns its helper variables (the caller frees them)."""
         entry = self._entries.pop(variable.ref(), None)
@@ -52,7 +66,7 @@ class Registry:
 
     def get(self, variable) -> Optional[PsEntry]:
         try:
-            return self._entries.get(variable.ref())
+            return self._entries.get(tf_compat.unwrapped(variable).ref())
         except (AttributeError, TypeError):
             return None
 

@@ -96,7 +96,9 @@ class _Correspondence:
         variables = list(model.trainable_variables)
         self._groups = _ps_groups(strategy, variables, wholes)
         saved_whole = {whole.ref() for whole, _ in self._groups}
-        dense = [v for v in variables if v.ref() not in saved_whole]
+        # The variables ``trained`` holds slots for, in model order: the replicated ones, and any that moved onto a
+        # PS task after it was built over them (their slots there are stale, the clones hold their state).
+        dense = [v for v in variables if v.ref() not in saved_whole or keras_compat.holds_slots(trained, v)]
         keras_compat.build_optimizer(trained, dense)  # idempotent; as training builds it
         target_slots, target_others = _build_recorded(plain, variables)
         index_of = {v.ref(): i for i, v in enumerate(variables)}

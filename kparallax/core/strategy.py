@@ -41,10 +41,12 @@ class HybridStrategy:
     """Trains an unchanged Keras model on many workers, Parallax style.
 
     Inside ``scope()``, every ``tf.keras.layers.Embedding`` table (and any variable a placement rule maps to
-    ``"ps"``) is created once on a parameter-server task and shared by all workers; every other variable is
-    replicated on each worker. ``model.compile`` inside the scope wraps the optimizer so that dense gradients are
-    averaged with one Horovod allreduce per gradient and sparse gradients are aggregated on the PS and applied there
-    as one update per step. Training is synchronous and equals single-process training on the concatenated batch.
+    ``"ps"``) is created once on a parameter-server task and shared by all workers; under ``hybrid``, any other
+    trainable variable the first traced step finds with a sparse gradient moves there before the step runs
+    (``move_to_ps``); every other variable is replicated on each worker. ``model.compile`` inside the scope wraps
+    the optimizer so that dense gradients are averaged with one Horovod allreduce per gradient and sparse gradients
+    are aggregated on the PS and applied there as one update per step. Training is synchronous and equals
+    single-process training on the concatenated batch.
 
     Args:
       cluster: the ``Cluster``; defaults to ``Cluster.from_env()``.
@@ -291,6 +293,40 @@ class HybridStrategy:
         logging.info("repartitioned %s: %d -> %d shard(s) of rows %s on ps%s", table.path, len(old_shards),
                      partitions, list(rows), tasks)
 
+    def moves_sparse(self, variable):
+        """Whether ``variable`` (replicated, trainable) goes onto a PS task if its gradient is sparse: under
+        ``hybrid``, with PS tasks, and no placement rule naming it (``Placement.moves_sparse``)."""
+        return (variable.trainable and not self.is_ps_variable(variable)
+                and self._placement.moves_sparse(_path(variable)))
+
+    def moved_paths(self, model):
+        """The paths of ``model``'s trainable variables that ``move_to_ps`` moved onto PS tasks."""
+        entries = [self._registry.get(v) for v in model.trainable_variables]
+        return [e.path for e in entries if e is not None and e.moved]
+
+    def move_to_ps(self, model, variables):
+        """Moves replicated ``variables`` of ``model``, whose gradients the first traced step found sparse
+        (``tf.IndexedSlices``), onto PS tasks, as if created there (``Registry.move``): each whole, on the
+        least-loaded task, with the chief's current value (every worker holds it: replicated weights are broadcast
+        before the first step). Every worker calls it at the same point, before any step has run (or while restoring a
+        checkpoint that recorded them there); the model's functions are traced again at their next use."""
+        for variable in variables:
+            path = _path(variable)
+            decision = self._placement.for_sparse_gradient(path, variable.shape.as_list())
+            self._registry.move(variable, path, decision.ps_task)
+            for layer in keras_compat.layers_holding(model, variable):
+                keras_hooks.bind_layer(layer, self)
+            logging.info("placement: %s %s -> ps[%d] %s (%s: moved from replicated at the first step)", path,
+                         variable.shape.as_list(), decision.ps_task, self._cluster.ps[decision.ps_task], decision.why)
+            if self._options.partitions != 1:
+                logging.warning(
+                    "%s moved onto ps[%d] whole: a variable cannot be split into row shards once made, so "
+                    "partitions=%r applies to Embedding tables only. To split it, name it in a placement rule, "
+                    "e.g. placement={%r: 'ps:%d'}, which creates it in shards (read it with tf.nn.embedding_lookup).",
+                    path, decision.ps_task, self._options.partitions, path,
+                    self._options.partitions if isinstance(self._options.partitions, int) else self._cluster.num_ps)
+        keras_compat.reset_traced_functions(model)
+
     def settle_partitions(self, partitions):
         """Ends the ``"auto"`` search: later tables are created with ``partitions`` shards."""
         self._placement.settle_auto(partitions)
@@ -331,6 +367,7 @@ class HybridStrategy:
             ps_path = ps_async.AsyncPs(self._registry, clones)
         step = train_step.Step(self._options, self.num_workers, self.is_ps_variable, ps_path)
         step.clones = clones
+        step.moves_sparse = self.moves_sparse
         wrapped = train_step.wrap(optimizer, step)
         clones.learning_rate_source = wrapped
         self._clones.append(clones)
@@ -349,6 +386,11 @@ class HybridStrategy:
                                    log_architecture=False)
             optimizer.__dict__["_kp_extra_step"] = step
         return step
+
+
+def _path(variable):
+    """A variable's path, as placement rules match it (``dense_1/kernel``)."""
+    return variable.name.split(":")[0]
 
 
 def _whole_value(initial_value, dtype):

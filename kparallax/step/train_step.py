@@ -72,6 +72,12 @@ class Step:
         self.accumulator = (accumulation.GradientAccumulator(options.backward_passes_per_step)
                             if options.backward_passes_per_step > 1 else None)
         self._logged = not log_architecture
+        # Replicated variables found with sparse gradients in a traced step, to move onto PS tasks before the step
+        # runs (``sparse_to_move``); ``moves_sparse(variable)`` (the strategy's) says which may move.
+        self.moves_sparse = None
+        self.pending_moves = []
+        self.probing = False  # True while ``keras_hooks`` traces the first step to find them
+        self.decided = False  # in that trace: none was found, so the step is built (and the optimizer with it)
         self._sent = None  # {"dense", "sparse"}: int64 variables, bytes this worker sent
 
     def sent_bytes(self):
@@ -91,6 +97,14 @@ class Step:
         dense_bytes = tf.add_n([tf.cast(tf.size(t), tf.int64) * t.dtype.size for t in tensors]
                                or [tf.constant(0, tf.int64)])
         return [self._sent["dense"].assign_add(dense_bytes), self._sent["sparse"].assign_add(ps_bytes)]
+
+    def sparse_to_move(self, grads_and_vars):
+        """The replicated variables of ``grads_and_vars`` whose gradients are sparse (``tf.IndexedSlices``) and that
+        go onto PS tasks (Parallax's rule: a sparse variable lives on a PS, a dense one is replicated). Only while a
+        step is traced (an eager step cannot use PS variables)."""
+        if self.moves_sparse is None or tf.executing_eagerly():
+            return []
+        return [v for g, v in grads_and_vars if isinstance(g, tf.IndexedSlices) and self.moves_sparse(v)]
 
     def split(self, grads_and_vars):
         dense, ps = [], []
@@ -153,6 +167,21 @@ def route(optimizer, step, grads_and_vars, apply_dense):
     when batches may differ in size, split, optionally accumulated, exchanged; ``apply_dense(averaged)`` applies the
     averaged replicated gradients with the user's optimizer. Returns the op Keras' step waits for."""
     grads_and_vars = list(grads_and_vars)
+    moving = step.sparse_to_move(grads_and_vars)
+    if moving and step.probing:
+        # This trace only finds them (``keras_hooks._make_train_function`` traces before the first step runs): they
+        # move onto PS tasks, then the step is traced again. Nothing is built, so no optimizer slot is made for them.
+        step.pending_moves = moving
+        return optimizer.iterations.assign_add(0)
+    step.decided = True
+    if moving:
+        names = [v.name for v in moving]
+        raise ValueError(
+            f"Variable(s) {names} get sparse gradients (tf.IndexedSlices), so under architecture='hybrid' they live "
+            "on PS tasks, but this training step was traced outside the model's fit / train_on_batch, which move "
+            f"them there before the first step. Received: sparse gradients of replicated variables {names}. Train "
+            "with fit or train_on_batch, or name them in a placement rule, e.g. "
+            f"placement={{{names[0].split(':')[0]!r}: 'ps'}} (or 'replicated' to allgather their rows).")
     on_ps = [v for g, v in grads_and_vars if g is not None and step.is_ps_variable(v)]
     if on_ps and tf.executing_eagerly():
         raise ValueError(
@@ -195,6 +224,8 @@ class _RoutingMixin:
         precision) builds its inner optimizer over every trainable variable, but the PS variables' slots live in
         the PS-side clones: created here too, they were dead copies placed on the PS, one set per worker."""
         step = self._kp_step
+        if step is not None and step.probing and not step.decided:
+            return None  # Keras' loss-scale optimizer builds before ``route`` knows which variables move to a PS
         if step is not None:
             var_list = [v for v in var_list if not step.is_ps_variable(v)]
         return super().build(var_list)

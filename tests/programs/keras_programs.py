@@ -847,6 +847,39 @@ def clipped_two_optimizers(scope, batch):
     return two_optimizers(scope, batch, clip=True)
 
 
+class OwnEmbedding(tf.keras.layers.Layer):
+    """A user's own embedding layer, not Keras' Embedding: a table and a per-id bias made with add_weight, read with
+    tf.nn.embedding_lookup and tf.gather, so their gradients are tf.IndexedSlices."""
+
+    def __init__(self, vocab, width, **kwargs):
+        super().__init__(**kwargs)
+        self.vocab, self.width = vocab, width
+
+    def build(self, input_shape):
+        self.table = self.add_weight("table", [self.vocab, self.width], initializer="glorot_uniform")
+        self.bias = self.add_weight("bias", [self.vocab], initializer="zeros")
+
+    def call(self, ids):
+        return tf.nn.embedding_lookup(self.table, ids) + tf.gather(self.bias, ids)[..., None]
+
+
+def own_embedding_layer(scope, batch):
+    """OwnEmbedding's rows averaged into a Dense head, Adam, a dataset with a partial last batch, then evaluate."""
+    ids, rng = _ids(41)
+    y = rng.normal(size=(ROWS - 10, 1)).astype(np.float32)
+    data = tf.data.Dataset.from_tensor_slices((ids[:ROWS - 10], y)).batch(batch)
+    with scope():
+        inputs = tf.keras.Input((LEN,), dtype=tf.int32)
+        pooled = tf.keras.layers.GlobalAveragePooling1D()(OwnEmbedding(VOCAB, EMB, name="own_embedding")(inputs))
+        model = tf.keras.Model(inputs, tf.keras.layers.Dense(1)(tf.keras.layers.Dense(4, activation="tanh")(pooled)))
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.05), loss="mse", metrics=["mae"])
+        history = model.fit(data, epochs=2, verbose=0)
+        evaluated = model.evaluate(ids[:64], y[:64], batch_size=batch, verbose=0)
+    model.logged = [np.array([history.history[key] for key in sorted(history.history)]), np.array(evaluated)]
+    return model
+
+
 def fine_tuning(scope, batch):
     """Transfer learning: the base (a table and a Dense layer) frozen while the head trains with Adam, then unfrozen
     and the model compiled again with a new optimizer (momentum SGD) to train all of it; both fits' losses are
@@ -1026,5 +1059,5 @@ PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, mixed
                                     tf_data_known_cardinality, backup_and_restore_resume, partial_last_batch,
                                     masked_sequence_losses, own_loss_partial_batch, weighted_metrics_sample_weights,
                                     gru_conv1d_evaluate, stateful_lstm, run_eagerly_dense, two_optimizers,
-                                    fine_tuning, own_compute_loss,
+                                    fine_tuning, own_compute_loss, own_embedding_layer,
                                     train_on_batch_loop)}  # last: it seeds Keras' random generator
