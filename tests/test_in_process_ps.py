@@ -771,10 +771,14 @@ def test_variables_with_sparse_gradients_move_to_the_ps_and_train_like_plain_ker
             layer = model.get_layer(f"fast_own_{policy}_lookup")
             table, bias = layer.table, layer.bias
             assert not strategy.is_ps_variable(table), "replicated until a traced step shows its gradient"
+            stale = tf.function(lambda: tf.gather(layer.table, [1, 2]))  # a function of the user's, traced before
+            stale()
             got = _fit_own_lookup(model, x, y)
     finally:
         tf.keras.mixed_precision.set_global_policy("float32")
     assert layer.table is table and layer.mine[0] is table, "the same objects, moved"
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"is not in \[0, 0\)"):
+        stale()  # the old copy is emptied: no silent read of stale rows
     for variable in (table, bias):
         assert strategy.is_ps_variable(variable) and "/job:ps/" in variable.device, variable.name
         path = strategy.ps_info(variable)[0]

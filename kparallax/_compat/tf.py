@@ -84,9 +84,9 @@ def rehome(variable, shared):
 
     Every reference to the ``variable`` object (a layer's attribute, a list of a user's, Keras' weight lists, an
     ``AutoCastVariable`` around it) then reads and writes the shared variable; its name and unique id (Keras'
-    optimizer keys) do not change. The old resource is freed: a function traced before fails if called again, so
-    retrace them. Replaces the private attributes of ``_HANDLE_STATE`` on the object (TF 2.15; it has no public way
-    to move a variable)."""
+    optimizer keys) do not change. The old resource is emptied (0 rows): a function traced before still reads it,
+    so trace such functions again. Replaces the private attributes of ``_HANDLE_STATE`` on the object (TF 2.15; it
+    has no public way to move a variable)."""
     if not isinstance(variable, _rv.BaseResourceVariable) or variable.shape != shared.shape \
             or variable.dtype != shared.dtype:
         raise TypeError(f"Only a resource variable can move onto a PS variable of its shape and dtype. Received: "
@@ -94,9 +94,11 @@ def rehome(variable, shared):
     old = variable.handle
     for name in _HANDLE_STATE:
         setattr(variable, name, getattr(shared, name))
-    # A function traced before that still holds the old handle then fails loudly instead of training a stale copy.
+    # Eager resources live as long as a handle to them (a function traced before holds one): empty the old copy
+    # instead (0 rows), which frees its memory and makes a gather from it by such a function fail.
     with tf.device(old.device):
-        _gen_rv.destroy_resource_op(old, ignore_lookup_error=True)
+        _gen_rv.assign_variable_op(old, tf.zeros([0] + variable.shape.as_list()[1:], variable.dtype),
+                                   validate_shape=False)
 
 
 def unwrapped(variable):

@@ -266,15 +266,17 @@ def _make_train_function(original, model, force=False):
     barrier (Keras' in-graph loop does not keep the PS update of one step before the reads of the next)."""
     if model.train_function is not None and not force:
         return model.train_function
-    functions = [keras_compat.single_step_train_function(model, original)]
+    single, placed = keras_compat.single_step_train_function(model, original), False
 
     def train_function(iterator):
-        if len(functions) == 1:
-            functions.append(_placed(original, model, functions[0], iterator))
+        nonlocal single, placed
+        if not placed:
+            # The function traced before a move holds the moved variables' old handles: dropped with it.
+            single, placed = _placed(original, model, single, iterator), True
             model.train_function = train_function  # Keras' make_train_function, called again there, replaced it
         outputs = None
         for _ in range(keras_compat.steps_per_execution(model)):  # Keras lowers it for an epoch's last execution
-            outputs = functions[-1](iterator)
+            outputs = single(iterator)
         return outputs
 
     model.train_function = train_function
