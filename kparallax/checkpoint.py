@@ -164,10 +164,7 @@ def restore(strategy, model, path, continue_fit=False):
         meta = json.load(f)
     # Variables the run that wrote it moved onto PS tasks at its first step (sparse gradients) move now, before
     # their state is set, as that run's first step would have moved them.
-    moved = set(meta.get("moved", []))
-    pending = [v for v in model.trainable_variables if v.name.split(":")[0] in moved and strategy.moves_sparse(v)]
-    if pending:
-        strategy.move_to_ps(model, pending)
+    strategy.move_recorded(model, meta.get("moved", []))
     groups = _whole_weights(strategy, model)
     if meta["num_weights"] != len(groups):
         raise ValueError(f"Checkpoint {path} holds {meta['num_weights']} weights but the model has {len(groups)}: "

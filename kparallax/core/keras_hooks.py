@@ -40,6 +40,7 @@ from kparallax.core import backup
 from kparallax.core import data as data_lib
 from kparallax.core import fit_callbacks
 from kparallax.core import partition_search
+from kparallax.core import placement
 from kparallax.core import resume
 from kparallax.core import saving
 from kparallax.core import tables
@@ -302,21 +303,22 @@ def _placed(original, model, single, iterator):
         return single
     # The optimizer may hold slots for them already (built by a saver or a loader before the first step). Initial
     # ones (no step taken) are the state the PS-side copies start from; trained ones the move would lose.
-    held = [v.name for v in moving if keras_compat.holds_slots(model.optimizer, v)]
-    if held and int(model.optimizer.iterations.numpy()):
+    held = [v for v in moving if keras_compat.holds_slots(model.optimizer, v)]
+    steps = int(model.optimizer.iterations.numpy())
+    if held and steps:
+        names = [v.name for v in held]
         raise ValueError(
-            f"Variable(s) {held} get sparse gradients (tf.IndexedSlices), so under architecture='hybrid' they live on "
+            f"Variable(s) {names} get sparse gradients (tf.IndexedSlices), so under architecture='hybrid' they live on "
             "PS tasks, but the optimizer already holds their trained state here (loaded before the first step, e.g. "
             "by load_weights, BackupAndRestore or strategy.load_model), which moving them would lose. Received: "
-            f"optimizer state after {int(model.optimizer.iterations.numpy())} step(s) for replicated variables "
-            f"{held}. Name them in a placement rule so they are made where they belong, e.g. "
-            f"placement={{{held[0].split(':')[0]!r}: 'ps'}} (or 'replicated' to allgather their rows); saved state "
-            "loads either way.")
+            f"optimizer state after {steps} step(s) for replicated variables {names}. Name them in a placement rule "
+            f"so they are made where they belong, e.g. placement={{{placement.variable_path(held[0])!r}: 'ps'}} (or "
+            "'replicated' to allgather their rows); saved state loads either way.")
     state.strategy.move_to_ps(model, moving)
     _guard_tracking(state.strategy, model, model.optimizer)
     if state.strategy.is_chief and model.__dict__.get("_kparallax_announced"):
         print("kparallax: moved to PS (sparse gradients): " + "; ".join(
-            f"{v.name.split(':')[0]} -> ps[{state.strategy.ps_info(v)[1]}]" for v in moving), flush=True)
+            "{} -> ps[{}]".format(*state.strategy.ps_info(v)) for v in moving), flush=True)
     return keras_compat.single_step_train_function(model, original)
 
 

@@ -34,6 +34,11 @@ class Decision:
         return self.ps_tasks[0] if self.ps_tasks else None
 
 
+def variable_path(variable) -> str:
+    """A variable's path, as placement rules match it and the registry records it (``dense_1/kernel``)."""
+    return variable.name.split(":")[0]
+
+
 def shard_rows(num_rows: int, partitions: int) -> Tuple[int, ...]:
     """Row counts of ``partitions`` shards: the stripes of ``striped`` (shard i holds rows i, i + P, ...)."""
     return striped.stripe_rows(num_rows, partitions)
@@ -131,9 +136,8 @@ class Placement:
         other architecture, a placement rule naming it (the user chose), or no PS task."""
         if not self.moves_sparse(path):
             return None
-        row_size = math.prod(int(d) for d in shape[1:]) if len(shape) > 1 else 1
-        rows = (shape[0] if shape else 0,)
-        return Decision(PS, "its gradient is sparse (tf.IndexedSlices)", (self.assign(rows[0] * row_size),), rows)
+        return Decision(PS, "its gradient is sparse (tf.IndexedSlices)", (self.assign(math.prod(shape)),),
+                        (shape[0] if shape else 0,))
 
     def settle_auto(self, partitions: int):
         """After the ``"auto"`` search: tables created from now on get ``partitions`` shards, no new search."""

@@ -297,12 +297,21 @@ class HybridStrategy:
         """Whether ``variable`` (replicated, trainable) goes onto a PS task if its gradient is sparse: under
         ``hybrid``, with PS tasks, and no placement rule naming it (``Placement.moves_sparse``)."""
         return (variable.trainable and not self.is_ps_variable(variable)
-                and self._placement.moves_sparse(_path(variable)))
+                and self._placement.moves_sparse(placement_lib.variable_path(variable)))
 
     def moved_paths(self, model):
         """The paths of ``model``'s trainable variables that ``move_to_ps`` moved onto PS tasks."""
         entries = [self._registry.get(v) for v in model.trainable_variables]
         return [e.path for e in entries if e is not None and e.moved]
+
+    def move_recorded(self, model, paths):
+        """Moves the trainable variables of ``model`` at ``paths`` (``moved_paths`` of the run that wrote a
+        checkpoint) onto PS tasks now, if they may move and have not (a restore, before their state is set)."""
+        paths = set(paths)
+        pending = [v for v in model.trainable_variables
+                   if placement_lib.variable_path(v) in paths and self.moves_sparse(v)]
+        if pending:
+            self.move_to_ps(model, pending)
 
     def move_to_ps(self, model, variables):
         """Moves replicated ``variables`` of ``model``, whose gradients the first traced step found sparse
@@ -311,7 +320,7 @@ class HybridStrategy:
         before the first step). Every worker calls it at the same point, before any step has run (or while restoring a
         checkpoint that recorded them there); the model's functions are traced again at their next use."""
         for variable in variables:
-            path = _path(variable)
+            path = placement_lib.variable_path(variable)
             decision = self._placement.for_sparse_gradient(path, variable.shape.as_list())
             self._registry.move(variable, path, decision.ps_task)
             for layer in keras_compat.layers_holding(model, variable):
@@ -386,11 +395,6 @@ class HybridStrategy:
                                    log_architecture=False)
             optimizer.__dict__["_kp_extra_step"] = step
         return step
-
-
-def _path(variable):
-    """A variable's path, as placement rules match it (``dense_1/kernel``)."""
-    return variable.name.split(":")[0]
 
 
 def _whole_value(initial_value, dtype):
