@@ -11,6 +11,7 @@ containers exist in tf-keras 2.16-2.18).
 ``step/global_losses.py`` says why and when each scale applies.
 """
 
+import contextlib
 import functools
 import typing
 
@@ -226,3 +227,48 @@ def batch_rows(data):
     if isinstance(first, tf.RaggedTensor):
         return first.nrows(out_type=tf.int64)
     return tf.shape(first, out_type=tf.int64)[0]
+
+
+def _plain_reduce(metric):
+    """Whether ``metric`` is a Keras ``Mean`` or ``Sum`` whose class keeps their ``update_state(values,
+    sample_weight)`` (not a ``MeanMetricWrapper``, which takes ``y_true, y_pred``)."""
+    return (isinstance(metric, (tf.keras.metrics.Mean, tf.keras.metrics.Sum))
+            and type(metric).update_state is tf.keras.metrics.Sum.update_state)
+
+
+def weigh_scalar_updates(metric, weigh):
+    """Makes ``metric`` (a ``Mean`` or ``Sum``; others are left alone), when updated with one value and no sample
+    weight, update with ``weigh(metric, value)`` instead: a (value, sample weight) pair, or None for Keras' own
+    update. Once per metric: Keras binds ``update_state`` to each instance when it makes it (``Metric.__new__``), so
+    the instance attribute is what is wrapped."""
+    if not _plain_reduce(metric) or metric.__dict__.get("_kparallax_scalar_updates"):
+        return
+    update = metric.update_state
+
+    def update_state(values, sample_weight=None):
+        if sample_weight is None and tf.is_tensor(values) and values.shape.rank == 0:
+            weighed = weigh(metric, values)
+            if weighed is not None:
+                values, sample_weight = weighed
+        return update(values, sample_weight=sample_weight)
+
+    metric.update_state = update_state
+    metric.__dict__["_kparallax_scalar_updates"] = True
+
+
+@contextlib.contextmanager
+def on_metric_call(install):
+    """While one step is traced: calling a metric (``Metric.__call__``, which ``add_metric`` does with the ``Mean`` it
+    has just made) runs ``install(metric)`` first."""
+    cls = tf.keras.metrics.Metric  # defines __call__, which Mean and Sum inherit
+    original = cls.__call__
+
+    def call(self, *args, **kwargs):
+        install(self)
+        return original(self, *args, **kwargs)
+
+    cls.__call__ = call
+    try:
+        yield
+    finally:
+        cls.__call__ = original

@@ -49,6 +49,7 @@ from kparallax.step import collectives
 from kparallax.step import logs as logs_lib
 from kparallax.step import global_losses
 from kparallax.step import gradient_transforms
+from kparallax.step import scalar_metrics
 from kparallax.step import train_step
 
 _LOCAL = threading.local()
@@ -337,7 +338,8 @@ def _train_step(original, model, data):
     statistics = (batch_norm.global_statistics(strategy.num_workers, strategy.options.sync_batch_norm)
                   if strategy.num_workers > 1 else contextlib.nullcontext())
     with (statistics, global_losses.workers(strategy.num_workers, share), _worker_random_seed(strategy),
-          _in_step(strategy), gradient_transforms.recording()):
+          _in_step(strategy), gradient_transforms.recording(),
+          scalar_metrics.weighing(model, data, strategy.num_workers, share)):
         logs = original(model, data)
     return logs_lib.over_workers(logs, model.metrics, iterations, strategy.num_workers, "kp_step_logs", share,
                                  worker_index=strategy.worker_index)

@@ -981,14 +981,23 @@ def stateful_lstm(scope, batch):
     return model
 
 
+class MeanOutput(tf.keras.layers.Layer):
+    """Passes its input on, and adds the batch's mean of it as a metric (add_metric: one value per batch)."""
+
+    def call(self, inputs):
+        self.add_metric(tf.reduce_mean(inputs), name="mean_output")
+        return inputs
+
+
 def run_eagerly_dense(scope, batch):
-    """compile(run_eagerly=True) on a model without tables (Dense, BatchNormalization, Adam, a metric)."""
+    """compile(run_eagerly=True) on a model without tables (Dense, BatchNormalization, Adam, a metric, a metric
+    added in a layer's call: a mean over batches of one size)."""
     rng = np.random.default_rng(35)
     x = rng.normal(size=(ROWS, 4)).astype(np.float32)
     y = rng.normal(size=(ROWS, 1)).astype(np.float32)
     with scope():
         model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(8, activation="relu"),
-                                     tf.keras.layers.BatchNormalization(), tf.keras.layers.Dense(1)])
+                                     tf.keras.layers.BatchNormalization(), tf.keras.layers.Dense(1), MeanOutput()])
         _init(model)
         model.compile(optimizer=tf.keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"], run_eagerly=True)
         history = model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
@@ -1048,6 +1057,83 @@ def train_on_batch_loop(scope, batch):
     return model
 
 
+def added_metrics(scope, batch):
+    """A functional model with metrics added on its output (Keras' add_metric): the batch's sum and mean of the
+    predictions, one value per batch each, on a dataset with a partial last batch (16 + 6 rows on the workers in the
+    last step, 22 in one process). Every epoch's logs are kept."""
+    ids, rng = _ids(29)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    rows = ROWS - 10
+    with scope():
+        inputs = tf.keras.Input((LEN,), dtype=tf.int32)
+        prediction = tf.keras.layers.Dense(1)(tf.reduce_mean(tf.keras.layers.Embedding(VOCAB, EMB)(inputs), axis=1))
+        model = tf.keras.Model(inputs, prediction)
+        model.add_metric(tf.reduce_sum(prediction), name="prediction_sum")
+        model.add_metric(tf.reduce_mean(prediction), name="prediction_mean")
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.05), loss="mse")
+        history = model.fit(tf.data.Dataset.from_tensor_slices((ids[:rows], y[:rows])).batch(batch), epochs=2,
+                            verbose=0)
+    model.logged = [np.array(history.history[key]) for key in ("loss", "prediction_sum", "prediction_mean")]
+    return model
+
+
+class TrackedStep(tf.keras.Model):
+    """Keras' guide to a custom train_step: the loss tracked by a Mean fed the batch's loss, a mean absolute error,
+    and here also a Sum of the rows trained on and the row count added in call (add_metric)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = tf.keras.layers.Embedding(VOCAB, EMB)
+        self.out = tf.keras.layers.Dense(1)
+        self.loss_tracker = tf.keras.metrics.Mean(name="loss")
+        self.mae_metric = tf.keras.metrics.MeanAbsoluteError(name="mae")
+        self.rows_seen = tf.keras.metrics.Sum(name="rows_seen")
+
+    def call(self, ids):
+        self.add_metric(tf.cast(tf.shape(ids)[0], tf.float32), name="rows")
+        return self.out(tf.reduce_mean(self.table(ids), axis=1))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = tf.reduce_mean(tf.keras.losses.mean_squared_error(y, y_pred))
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
+        self.loss_tracker.update_state(loss)
+        self.mae_metric.update_state(y, y_pred)
+        self.rows_seen.update_state(tf.cast(tf.shape(x)[0], tf.float32))
+        return {m.name: m.result() for m in self.metrics}
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker, self.mae_metric, self.rows_seen] + [
+            m for layer in self._flatten_layers() for m in layer._metrics]  # pylint: disable=protected-access
+
+    def compared_weights(self):
+        """The trained weights: its metrics' variables hold, under kparallax, each worker's own part of the epoch's
+        states (the logs are their sums over the workers)."""
+        return [v.numpy() for v in self.trainable_weights]
+
+
+def tracked_train_step(scope, batch):
+    """TrackedStep on a dataset with a partial last batch (16 + 6 rows on the workers in the last step, 22 in one
+    process); every epoch's logs are kept."""
+    ids, rng = _ids(31)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    rows = ROWS - 10
+    with scope():
+        model = TrackedStep()
+        model(ids[:1])
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.05))
+        history = model.fit(tf.data.Dataset.from_tensor_slices((ids[:rows], y[:rows])).batch(batch), epochs=2,
+                            verbose=0)
+    model.logged = [np.array(history.history[key]) for key in ("loss", "mae", "rows_seen", "rows")]
+    return model
+
+
 PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, mixed_float16_clipped,
                                     clipped_two_optimizers, ratio_metrics, custom_metric_classes, sparse_and_ragged_inputs,
                                     sequence_input, generator_input,
@@ -1060,4 +1146,5 @@ PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, mixed
                                     masked_sequence_losses, own_loss_partial_batch, weighted_metrics_sample_weights,
                                     gru_conv1d_evaluate, stateful_lstm, run_eagerly_dense, two_optimizers,
                                     fine_tuning, own_compute_loss, own_embedding_layer,
+                                    added_metrics, tracked_train_step,
                                     train_on_batch_loop)}  # last: it seeds Keras' random generator

@@ -26,8 +26,10 @@ def main(out_dir, mode):
     for name, program in programs.PROGRAMS.items():
         model = program(scope, batch)
         if chief:
+            # A program may name the weights it compares (not its metrics' variables, say).
+            weights = model.compared_weights() if hasattr(model, "compared_weights") else model.get_weights()
             np.savez(os.path.join(out_dir, f"{name}.npz"),  # vocabularies (object arrays) saved as strings
-                     *[w.astype(str) if w.dtype.kind == "O" else w for w in model.get_weights()],
+                     *[w.astype(str) if w.dtype.kind == "O" else w for w in weights],
                      *getattr(model, "logged", []))
     if mode == "reference":
         assert "kparallax" not in sys.modules, "the reference must not import kparallax"
