@@ -29,6 +29,23 @@ def _init(model, seed=21):
                        for v, w in zip(model.weights, model.get_weights())])
 
 
+def _fit_on_partial_batches(scope, batch, seed, make_model, learning_rate, loss=None):
+    """``make_model()`` called on one row, set to fixed weights, compiled with SGD(``learning_rate``) (and ``loss``)
+    and fit for 2 epochs on ids -> y from a dataset of ROWS - 10 rows batched by ``batch``, whose last batch is
+    partial (16 + 6 rows on the workers in the last step, 22 in one process). Returns (model, History)."""
+    ids, rng = _ids(seed)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    rows = ROWS - 10
+    with scope():
+        model = make_model()
+        model(ids[:1])
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.SGD(learning_rate), loss=loss)
+        history = model.fit(tf.data.Dataset.from_tensor_slices((ids[:rows], y[:rows])).batch(batch), epochs=2,
+                            verbose=0)
+    return model, history
+
+
 def dict_inputs_auc(scope, batch):
     """Functional model with dict inputs, two towers, an AUC metric, binary cross-entropy."""
     ids, rng = _ids(1)
@@ -918,16 +935,7 @@ class OwnComputeLoss(tf.keras.Model):
 
 def own_compute_loss(scope, batch):
     """OwnComputeLoss on a dataset with a partial last batch (16 + 6 rows on the workers in the last step)."""
-    ids, rng = _ids(43)
-    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
-    rows = ROWS - 10
-    with scope():
-        model = OwnComputeLoss()
-        model(ids[:1])
-        _init(model)
-        model.compile(optimizer=tf.keras.optimizers.SGD(0.1))
-        model.fit(tf.data.Dataset.from_tensor_slices((ids[:rows], y[:rows])).batch(batch), epochs=2, verbose=0)
-    return model
+    return _fit_on_partial_batches(scope, batch, 43, OwnComputeLoss, 0.1)[0]
 
 
 def weighted_metrics_sample_weights(scope, batch):
@@ -1057,23 +1065,21 @@ def train_on_batch_loop(scope, batch):
     return model
 
 
+def _predictions_with_added_metrics():
+    """A functional model (ids through a table, averaged, into a Dense unit) with metrics added on its output
+    (Keras' add_metric): the batch's sum and mean of the predictions, one value per batch each."""
+    inputs = tf.keras.Input((LEN,), dtype=tf.int32)
+    prediction = tf.keras.layers.Dense(1)(tf.reduce_mean(tf.keras.layers.Embedding(VOCAB, EMB)(inputs), axis=1))
+    model = tf.keras.Model(inputs, prediction)
+    model.add_metric(tf.reduce_sum(prediction), name="prediction_sum")
+    model.add_metric(tf.reduce_mean(prediction), name="prediction_mean")
+    return model
+
+
 def added_metrics(scope, batch):
-    """A functional model with metrics added on its output (Keras' add_metric): the batch's sum and mean of the
-    predictions, one value per batch each, on a dataset with a partial last batch (16 + 6 rows on the workers in the
-    last step, 22 in one process). Every epoch's logs are kept."""
-    ids, rng = _ids(29)
-    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
-    rows = ROWS - 10
-    with scope():
-        inputs = tf.keras.Input((LEN,), dtype=tf.int32)
-        prediction = tf.keras.layers.Dense(1)(tf.reduce_mean(tf.keras.layers.Embedding(VOCAB, EMB)(inputs), axis=1))
-        model = tf.keras.Model(inputs, prediction)
-        model.add_metric(tf.reduce_sum(prediction), name="prediction_sum")
-        model.add_metric(tf.reduce_mean(prediction), name="prediction_mean")
-        _init(model)
-        model.compile(optimizer=tf.keras.optimizers.SGD(0.05), loss="mse")
-        history = model.fit(tf.data.Dataset.from_tensor_slices((ids[:rows], y[:rows])).batch(batch), epochs=2,
-                            verbose=0)
+    """_predictions_with_added_metrics with a mean squared error, on a dataset with a partial last batch; every
+    epoch's logs are kept."""
+    model, history = _fit_on_partial_batches(scope, batch, 29, _predictions_with_added_metrics, 0.05, loss="mse")
     model.logged = [np.array(history.history[key]) for key in ("loss", "prediction_sum", "prediction_mean")]
     return model
 
@@ -1118,18 +1124,8 @@ class TrackedStep(tf.keras.Model):
 
 
 def tracked_train_step(scope, batch):
-    """TrackedStep on a dataset with a partial last batch (16 + 6 rows on the workers in the last step, 22 in one
-    process); every epoch's logs are kept."""
-    ids, rng = _ids(31)
-    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
-    rows = ROWS - 10
-    with scope():
-        model = TrackedStep()
-        model(ids[:1])
-        _init(model)
-        model.compile(optimizer=tf.keras.optimizers.SGD(0.05))
-        history = model.fit(tf.data.Dataset.from_tensor_slices((ids[:rows], y[:rows])).batch(batch), epochs=2,
-                            verbose=0)
+    """TrackedStep on a dataset with a partial last batch; every epoch's logs are kept."""
+    model, history = _fit_on_partial_batches(scope, batch, 31, TrackedStep, 0.05)
     model.logged = [np.array(history.history[key]) for key in ("loss", "mae", "rows_seen", "rows")]
     return model
 
