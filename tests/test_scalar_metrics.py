@@ -78,16 +78,26 @@ def test_a_value_the_batch_does_not_reach_is_not_a_sum():
 
 
 def test_a_value_made_in_a_branch_reads_the_batch_through_its_captures():
-    def value_of(ids, features):
-        total = tf.reduce_sum(features)
-        return tf.cond(total > 0, lambda: tf.reduce_sum(features) * 1.0, lambda: tf.reduce_sum(features) * 2.0)
+    # A metric updated inside a tf.cond branch: its value lives in the branch's graph, the batch in the step's.
+    def told_in_branch(value_of):
+        @tf.function(input_signature=[tf.TensorSpec([None, 2], tf.float32)])
+        def step(features):
+            return tf.cond(tf.reduce_sum(features) > 0,
+                           lambda: scalar_metrics._sums(value_of(features), features),  # pylint: disable=protected-access
+                           lambda: tf.constant(False))
 
-    assert _told(value_of)[1] is True
+        return bool(step(tf.ones([3, 2])))
 
-    def mean_in_branch(ids, features):
-        return tf.cond(tf.reduce_sum(features) > 0, lambda: tf.reduce_mean(features), lambda: tf.constant(0.0))
+    assert told_in_branch(lambda f: tf.reduce_sum(f) * 2.0) is True
+    assert told_in_branch(tf.reduce_mean) is False
 
-    assert _told(mean_in_branch)[1] is False
+
+def test_an_op_that_could_fail_on_more_rows_is_not_copied():
+    # A branch (its ops unknown here), a reshape to a fixed shape, a sparse op: the value keeps Keras' own count.
+    with pytest.raises(ValueError, match="'cond' .*If"):
+        _told(lambda i, f: tf.cond(tf.reduce_sum(f) > 0, lambda: tf.reduce_sum(f), lambda: tf.reduce_mean(f)))
+    with pytest.raises(ValueError, match=r"\(Reshape\)"):
+        _told(lambda i, f: tf.reduce_sum(tf.reshape(tf.reduce_sum(f, axis=0), [1, 2])))
 
 
 def test_a_long_way_from_the_batch_is_not_copied():
@@ -100,3 +110,20 @@ def test_a_long_way_from_the_batch_is_not_copied():
 
     with pytest.raises(ValueError, match="ops lie between the value and the batch's rows"):
         _told(value_of)
+
+
+def test_a_sparse_input_is_read_through_its_rows_only():
+    # A tf.SparseTensor's parts are not rows of the batch (its dense_shape has a static size, [2]): a value read
+    # from its per-row sums is told, one read through a sparse op is not copied.
+    @tf.function(input_signature=[tf.SparseTensorSpec([None, 4], tf.float32), tf.TensorSpec([None, 2], tf.float32)])
+    def step(sparse, features):
+        assert not scalar_metrics._Tail((sparse, features)).static  # pylint: disable=protected-access
+        rows = tf.sparse.reduce_sum(sparse, axis=1, output_is_sparse=False)
+        rows = tf.ensure_shape(rows, [None])
+        value = tf.reduce_sum(rows) + tf.reduce_sum(features)
+        with pytest.raises(ValueError, match="SparseReduceSum"):
+            scalar_metrics._sums(tf.sparse.reduce_sum(sparse), (sparse, features))  # pylint: disable=protected-access
+        return scalar_metrics._sums(value, (sparse, features))  # pylint: disable=protected-access
+
+    sparse = tf.sparse.from_dense(tf.constant([[1.0, 0, 0, 2], [0, 3, 0, 0]]))
+    assert bool(step(sparse, tf.ones([2, 2])))

@@ -19,8 +19,10 @@ twice along it, and the ops between them and the value are copied (``tf_compat.c
 reach (weights, constants) and outputs of stateful ops (a collective's sum) are taken as they are. The copies are
 the few ops after the batch's rows (reductions, a division by a count), not the forward pass.
 
-A value that cannot be told (the step runs eagerly, more than 64 ops lie between it and the batch's rows, or the
-copy fails) keeps Keras' own count, with a warning naming the metric. With a batch of static size (a dataset
+Only ops that give a well-formed result on any number of rows are copied (reductions, element-wise and shape ops),
+so a copy cannot fail where the step runs. A value that cannot be told (the step runs eagerly; another op, such as a
+reshape to a fixed shape, a sparse op or a branch, or more than 64 ops lie between it and the batch's rows) keeps
+Keras' own count, with a warning naming the metric and why. With a batch of static size (a dataset
 batched with ``drop_remainder=True``) TensorFlow folds the batch's shape into constants while tracing: a count read
 from it is a constant, and a value divided after the batch's rows (by such a count) is taken for a mean. Updates with a sample weight, values with more than one element (Keras weighs every element alike,
 which the summed states already count exactly) and metrics of other classes are Keras' own.
@@ -37,6 +39,17 @@ from kparallax._compat import tf as tf_compat
 
 _ACTIVE = threading.local()
 _MOST_COPIES = 64  # the ops after the batch's rows are a few reductions and divisions, not a forward pass
+# The ops that are copied: each gives a well-formed result for inputs of any number of rows, so the copies cannot fail
+# where the step itself runs (no reshape to a fixed shape, no sparse or ragged op whose parts must agree, no branch).
+_COPIED = {
+    "Identity", "Snapshot", "StopGradient", "PreventGradient", "Cast", "Neg", "Abs", "Square", "Sqrt", "Rsqrt", "Exp",
+    "Log", "Log1p", "Expm1", "Sigmoid", "Tanh", "Relu", "Softplus", "Floor", "Ceil", "Round", "Sign", "Reciprocal",
+    "Inv", "Add", "AddV2", "AddN", "Sub", "Mul", "MulNoNan", "RealDiv", "Div", "DivNoNan", "FloorDiv", "TruncateDiv",
+    "Xdivy", "Maximum", "Minimum", "Pow", "SquaredDifference", "Equal", "NotEqual", "Less", "LessEqual", "Greater",
+    "GreaterEqual", "LogicalAnd", "LogicalOr", "LogicalNot", "Select", "SelectV2", "Sum", "Mean", "Max", "Min",
+    "Prod", "All", "Any", "EuclideanNorm", "Shape", "ShapeN", "Size", "Rank", "StridedSlice", "Pack", "ConcatV2",
+    "ExpandDims", "Squeeze", "Transpose", "GatherV2", "MatMul", "BatchMatMulV2", "ZerosLike", "OnesLike", "Fill",
+    "Range"}
 _DIVISIONS = {"RealDiv", "Div", "DivNoNan", "Reciprocal", "Inv", "FloorDiv", "TruncateDiv", "Xdivy"}
 _WARNED = set()
 
@@ -121,7 +134,9 @@ class _Tail:
     def __init__(self, data):
         parts = [t for t in tf.nest.flatten(data, expand_composites=True) if tf.is_tensor(t)]
         self._data = {t.ref() for t in parts if tf.is_symbolic_tensor(t)}
-        self._rows = {t.shape[0] for t in parts if t.shape.rank} - {None}  # a batch of static size
+        # A batch of static size, from its dense tensors (a SparseTensor's parts are not rows: its dense_shape is [2])
+        dense = [t for t in tf.nest.flatten(data) if isinstance(t, tf.Tensor)]
+        self._rows = {t.shape[0] for t in dense if t.shape.rank} - {None}
         self._reached = {}
         self._copies = {}
         self.divides = False  # whether a copied op divides (by a count, say)
@@ -185,7 +200,11 @@ class _Tail:
             stack.append((current, True))
             if self._copied(current):
                 stack.extend((x, False) for x in self._inputs(current) if x.ref() not in seen)
-        copied = {t.op.name for t in order if self._copied(t) and t.op.type != "Placeholder"}
+        copied = {t.op.name: t.op for t in order if self._copied(t) and t.op.type != "Placeholder"}
+        for op in copied.values():
+            if op.type not in _COPIED:
+                raise ValueError(f"op {op.name!r} ({op.type}) lies between the value and the batch's rows, and only "
+                                 "reductions, element-wise and shape ops are copied")
         if len(copied) > _MOST_COPIES:
             raise ValueError(f"{len(copied)} ops lie between the value and the batch's rows (at most {_MOST_COPIES} "
                              "are copied)")
