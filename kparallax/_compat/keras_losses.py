@@ -102,7 +102,23 @@ def _batch_scalar_sums(fn, y_true, y_pred):
         return None, None
     once = fn(y_true, y_pred)
     twice = fn(tf.concat([y_true, y_true], axis=0), tf.concat([y_pred, y_pred], axis=0))
-    return once, tf.abs(twice - 2 * once) < tf.abs(twice - once)
+    return once, doubles(once, twice)
+
+
+def doubles(once, twice):
+    """Whether a scalar of the batch sums over it: its value ``once``, and ``twice`` on the batch repeated twice (a
+    boolean tensor, true when ``twice`` is nearer twice ``once`` than ``once``: a sum doubles, a mean stays)."""
+    return tf.abs(twice - 2 * once) < tf.abs(twice - once)
+
+
+def batch_scalar_update(value, sums, workers, share):
+    """(value, sample weight) with which a worker adds ``value``, one scalar for its batch, to a ``Mean`` or ``Sum``
+    so that the states summed over the ``workers`` are one process's: ``value * N`` with weight ``1 / N`` where
+    ``sums`` (a sum over the batch: the global batch's sum, counted once), ``value`` with weight ``share / N``
+    otherwise (a mean: the global batch's mean). ``share``: this worker's share of the global batch (a scalar
+    tensor, ones when batches have one size); the weight takes its dtype."""
+    return (value * tf.where(sums, tf.cast(workers, value.dtype), tf.ones([], value.dtype)),
+            tf.where(sums, tf.ones([], share.dtype), share) / tf.cast(workers, share.dtype))
 
 
 def _scaled(value, shown, gradient):
@@ -210,10 +226,8 @@ def _weigh_batch_scalars(metric, scales):
             value, sums = _batch_scalar_sums(fn, tf.cast(y_true, metric.dtype), tf.cast(y_pred, metric.dtype))
         if sums is None:
             return update(y_true, y_pred, sample_weight=sample_weight)
-        workers = tf.cast(current.workers, value.dtype)
-        return tf.keras.metrics.Mean.update_state(metric, value * tf.where(sums, workers, 1.0),
-                                                  sample_weight=tf.where(sums, 1.0, _share(current, value.dtype))
-                                                  / workers)
+        value, weight = batch_scalar_update(value, sums, current.workers, _share(current, value.dtype))
+        return tf.keras.metrics.Mean.update_state(metric, value, sample_weight=weight)
 
     metric.update_state = update_state
 

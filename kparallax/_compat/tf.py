@@ -182,6 +182,18 @@ def captured_from(tensor):
     return None
 
 
+def computed_from(tensor):
+    """The tensors graph tensor ``tensor`` is computed from: for a placeholder a tf.function or cond/while body
+    captured, the enclosing graph's tensor (``captured_from``); else its op's inputs. Nothing for an eager value or
+    an input of the function itself."""
+    if not tf.is_symbolic_tensor(tensor):
+        return []
+    if tensor.op.type == "Placeholder":
+        external = captured_from(tensor)
+        return [] if external is None else [external]
+    return list(tensor.op.inputs)
+
+
 def copy_op(op, inputs):
     """A copy of graph op ``op`` in the current graph, with ``inputs`` instead of its own (same type and attributes,
     a new name; private ``Graph._create_op_internal``, which captures inputs of enclosing graphs). Returns its

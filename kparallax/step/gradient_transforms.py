@@ -107,23 +107,13 @@ class _Kinds:
         self.kinds = {}
         self.why = {}
 
-    def inputs(self, tensor):
-        """What ``tensor`` is computed from: an enclosing graph's tensor for a captured placeholder, else its op's
-        inputs."""
-        if not tf.is_symbolic_tensor(tensor):  # an eager value a tf.function captured
-            return []
-        if tensor.op.type == "Placeholder":
-            external = tf_compat.captured_from(tensor)
-            return [] if external is None else [external]
-        return list(tensor.op.inputs)
-
     def kind(self, tensor):
         stack = [(tensor, False)]
         while stack:
             current, expanded = stack.pop()
             if current.ref() in self.kinds:
                 continue
-            inputs = self.inputs(current)
+            inputs = tf_compat.computed_from(current)
             if not expanded and any(x.ref() not in self.kinds for x in inputs):
                 stack.append((current, True))
                 stack.extend((x, False) for x in inputs if x.ref() not in self.kinds)
@@ -309,7 +299,7 @@ def _walk(kinds, tensors):
             seen.add(tensor.ref())
             leaves.setdefault(id(leaf.gradient), leaf)
             continue
-        inputs = kinds.inputs(tensor)
+        inputs = tf_compat.computed_from(tensor)
         if not expanded:
             stack.append((tensor, True))
             stack.extend((x, False) for x in inputs if x.ref() not in seen)

@@ -90,7 +90,6 @@ def _current(metric, value):
 def _weighed(metric, value, data, num_workers, share):
     """``value`` and its sample weight for ``metric``'s update, or None (Keras' own count) when the value cannot be
     told a sum or a mean (with a warning, once per metric name)."""
-    value = tf.convert_to_tensor(value)
     sums = None
     if tf.is_symbolic_tensor(value):
         try:
@@ -109,10 +108,8 @@ def _weighed(metric, value, data, num_workers, share):
                 "that value sums or averages over the batch: %s. Its logged result is the mean of the workers' "
                 "values, which is one process's only for a mean over batches of one size.", metric.name, reason)
         return None
-    workers = tf.constant(float(num_workers), value.dtype)
-    weight = tf.ones([], tf.float32) if share is None else tf.cast(share, tf.float32)
-    weight = tf.where(sums, 1.0, weight) / float(num_workers)
-    return value * tf.where(sums, workers, tf.ones([], value.dtype)), weight
+    share = tf.ones([], tf.float32) if share is None else tf.cast(share, tf.float32)
+    return keras_losses.batch_scalar_update(value, sums, num_workers, share)
 
 
 def _sums(value, data):
@@ -123,8 +120,7 @@ def _sums(value, data):
     twice = tail.twice(value)
     if twice is None or (tail.static and tail.divides):
         return tf.constant(False)
-    once, twice = tf.cast(value, tf.float32), tf.cast(twice, tf.float32)
-    return tf.abs(twice - 2.0 * once) < tf.abs(twice - once)
+    return keras_losses.doubles(tf.cast(value, tf.float32), tf.cast(twice, tf.float32))
 
 
 class _Tail:
@@ -146,15 +142,6 @@ class _Tail:
         """Whether the batch has a size known while tracing: TensorFlow folds its shape into constants then."""
         return bool(self._rows)
 
-    def _inputs(self, tensor):
-        """What ``tensor`` is computed from: a captured placeholder's enclosing-graph tensor, else its op's inputs."""
-        if not tf.is_symbolic_tensor(tensor):
-            return []
-        if tensor.op.type == "Placeholder":
-            external = tf_compat.captured_from(tensor)
-            return [] if external is None else [external]
-        return list(tensor.op.inputs)
-
     def _from_batch(self, tensor):
         """Whether the batch reaches ``tensor`` (memoized, iteratively: a forward pass is deep)."""
         stack = [(tensor, False)]
@@ -162,7 +149,7 @@ class _Tail:
             current, expanded = stack.pop()
             if current.ref() in self._reached:
                 continue
-            inputs = self._inputs(current)
+            inputs = tf_compat.computed_from(current)
             if current.ref() in self._data:
                 self._reached[current.ref()] = True
                 continue
@@ -199,7 +186,7 @@ class _Tail:
                 continue
             stack.append((current, True))
             if self._copied(current):
-                stack.extend((x, False) for x in self._inputs(current) if x.ref() not in seen)
+                stack.extend((x, False) for x in tf_compat.computed_from(current) if x.ref() not in seen)
         copied = {t.op.name: t.op for t in order if self._copied(t) and t.op.type != "Placeholder"}
         for op in copied.values():
             if op.type not in _COPIED:
@@ -229,7 +216,7 @@ class _Tail:
         if not self._copied(tensor):
             return tensor  # a stateful op's output (a collective's sum): as it is
         if tensor.op.type == "Placeholder":
-            return self._copies[self._inputs(tensor)[0].ref()]
+            return self._copies[tf_compat.computed_from(tensor)[0].ref()]
         self.divides = self.divides or tensor.op.type in _DIVISIONS
         outputs = tf_compat.copy_op(tensor.op, [self._copies[x.ref()] for x in tensor.op.inputs])
         for output, copy in zip(tensor.op.outputs, outputs):
