@@ -96,7 +96,8 @@ def test_matches_single_process(config, references, tmp_path):
 
 
 # optimizer option: the same optimizer without it (the option must change the result, or the test is vacuous)
-OPTIONED = {"clipnorm": "adam", "legacy_clip_both": "legacy_momentum", "adam_ema": "adam"}
+OPTIONED = {"clipnorm": "adam", "legacy_clip_both": "legacy_momentum", "adam_ema": "adam",
+            "global_clipnorm": "momentum", "legacy_clip_global": "legacy_momentum"}
 
 
 @pytest.fixture(scope="module")
@@ -113,13 +114,15 @@ def optioned_references(tmp_path_factory):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("config", ["hybrid-ps:3-over-2-ps", "ps"])
+@pytest.mark.parametrize("config", ["hybrid-ps:3-over-2-ps-local-aggregation", "ps", "allreduce"])
 def test_clipping_and_ema_match_single_process(config, optioned_references, tmp_path):
     """clipnorm / clipvalue act as in one process on the global batch's gradient, whose sparse form holds one slice
-    per looked-up id: on a table split over 2 PS tasks (the norm spans its shards) and on dense PS variables.
-    use_ema's averages of PS variables (kept by the chief's clones) replace the weights as in one process."""
-    ps, options = {"hybrid-ps:3-over-2-ps": (2, {"placement": {".*_embedding/embeddings": "ps:3"}}),
-                   "ps": (1, {"architecture": "ps"})}[config]
+    per looked-up id: on a table split over 2 PS tasks (the norm spans its shards; one worker pushes for both) and
+    on dense PS variables; global_clipnorm's one norm spans the replicated and PS paths. use_ema's averages of PS
+    variables (kept by the chief's clones) replace the weights as in one process."""
+    ps, options = {"hybrid-ps:3-over-2-ps-local-aggregation": (2, {"placement": {".*_embedding/embeddings": "ps:3"},
+                                                                   "local_aggregation": True}),
+                   "ps": (1, {"architecture": "ps"}), "allreduce": (0, {"architecture": "allreduce"})}[config]
     out, _ = _train(tmp_path, ps, options, names=tuple(OPTIONED))
     for name in OPTIONED:
         got, _ = _load(out, name)

@@ -463,12 +463,17 @@ def test_recompiling_with_the_same_optimizer_keeps_its_state(strategy, again):
 
 
 @pytest.mark.parametrize("regularized", [False, True], ids=["sparse-gradient", "dense-gradient"])
-@pytest.mark.parametrize("clipped", ["clipnorm", "legacy_clipvalue_and_clipnorm"])
+@pytest.mark.parametrize("clipped", ["clipnorm", "legacy_clipvalue_and_clipnorm", "global_clipnorm",
+                                     "legacy_clipvalue_and_global_clipnorm"])
 def test_clipping_of_a_partitioned_table_matches_plain_keras(strategy, clipped, regularized):
     # SGD, not Adam: Adam's update is nearly invariant to a gradient's scale, so a wrong norm would hardly show.
+    # global_clipnorm's norm spans the table's shards and the replicated output layer.
     optimizer = {"clipnorm": lambda: tf.keras.optimizers.SGD(0.1, momentum=0.9, clipnorm=0.02),
                  "legacy_clipvalue_and_clipnorm": lambda: tf.keras.optimizers.legacy.SGD(
-                     0.1, momentum=0.9, clipnorm=0.02, clipvalue=0.002)}[clipped]
+                     0.1, momentum=0.9, clipnorm=0.02, clipvalue=0.002),
+                 "global_clipnorm": lambda: tf.keras.optimizers.SGD(0.1, momentum=0.9, global_clipnorm=0.05),
+                 "legacy_clipvalue_and_global_clipnorm": lambda: tf.keras.optimizers.legacy.SGD(
+                     0.1, momentum=0.9, global_clipnorm=0.05, clipvalue=0.02)}[clipped]
     name = f"{clipped}_{regularized}"
     plain = _model(f"plain_{name}", regularized)
     expected_loss = _train(plain, optimizer())
@@ -480,6 +485,51 @@ def test_clipping_of_a_partitioned_table_matches_plain_keras(strategy, clipped, 
     np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
     # A dense gradient's norm spans the table's 3 shards: its update waits for every push (barrier, worker 0).
     assert _has_pushed_barrier(model) == regularized
+
+
+@pytest.mark.parametrize("architecture", ["ps", "allreduce"])
+def test_global_clipnorm_under_other_architectures_matches_plain_keras(strategy, architecture):
+    """ps: the output layer is a dense PS variable too (its summed gradient is read by worker 0 after a barrier,
+    its sum of squares passed to every worker); allreduce: no PS variable, Keras clips the averaged gradients."""
+    other = kp.HybridStrategy(strategy.cluster, architecture=architecture)
+    optimizer = lambda: tf.keras.optimizers.SGD(0.1, momentum=0.9, global_clipnorm=0.05)  # noqa: E731
+    plain = _model("plain_global")
+    expected_loss = _train(plain, optimizer())
+    with other.scope():
+        model = _model(f"fast_global_{architecture}")
+        loss = _train(model, optimizer())
+    assert other.is_ps_variable(model.layers[-1].kernel) == (architecture == "ps")
+    for got, want in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+    assert _has_pushed_barrier(model) == (architecture == "ps")
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["keras", "legacy"])
+def test_global_clipnorm_under_mixed_precision_matches_plain_keras(strategy, legacy):
+    """Keras' LossScaleOptimizer unscales the gradients, then the routing optimizer clips them by the whole step's
+    norm (Keras would clip the replicated ones by theirs alone, or NaN when a scaled step overflows)."""
+    family = tf.keras.optimizers.legacy if legacy else tf.keras.optimizers
+    tf.keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        plain = _model(f"plain_mixed_global_{legacy}")
+        expected_loss = _train(plain, family.SGD(0.1, momentum=0.9, global_clipnorm=0.05))
+        with kp.HybridStrategy(strategy.cluster, partitions=3).scope():
+            model = _model(f"fast_mixed_global_{legacy}")
+            loss = _train(model, family.SGD(0.1, momentum=0.9, global_clipnorm=0.05))
+    finally:
+        tf.keras.mixed_precision.set_global_policy("float32")
+    for got, want in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+
+
+def test_global_clipnorm_with_async_ps_is_refused(strategy):
+    with kp.HybridStrategy(strategy.cluster, sync=False).scope():
+        model = _model("fast_global_async")
+        with pytest.raises(ValueError, match=r"global_clipnorm cannot be combined with sync=False .*Received: "
+                                             r"global_clipnorm=0.5, sync=False, 1 PS variable"):
+            _train(model, tf.keras.optimizers.SGD(0.1, global_clipnorm=0.5))
 
 
 def test_mixed_precision_recompile_keeps_the_optimizer_and_an_explicit_loss_scale_optimizer_is_refused(strategy):

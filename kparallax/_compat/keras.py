@@ -51,25 +51,44 @@ def is_loss_scale_optimizer(optimizer):
 
 
 def clipping(optimizer):
-    """The per-variable gradient clipping ``optimizer.apply_gradients`` does, in its order: a list of
-    ``("value", c)`` (``tf.clip_by_value(g, -c, c)``) and ``("norm", c)`` (``tf.clip_by_norm(g, c)``).
+    """The gradient clipping ``optimizer.apply_gradients`` does, in its order: a list of ``("value", c)``
+    (``tf.clip_by_value(g, -c, c)``), ``("norm", c)`` (``tf.clip_by_norm(g, c)``, per variable) and
+    ``("global", c)`` (``tf.clip_by_global_norm(grads, c)``, over every gradient of the step).
 
-    Keras 2.11+ optimizers clip by ``clipnorm`` if set, else by ``clipvalue``; legacy ones by ``clipvalue``, then
-    by ``clipnorm``. (``global_clipnorm`` is refused by ``train_step.resolve``.)
+    Keras 2.11+ optimizers clip by ``clipnorm`` if set, else by ``global_clipnorm``, else by ``clipvalue``; legacy
+    ones by ``clipvalue``, then by ``clipnorm`` or ``global_clipnorm`` (never both).
     """
     norm, value = getattr(optimizer, "clipnorm", None), getattr(optimizer, "clipvalue", None)
+    overall = global_clipnorm(optimizer)
     if optimizer_family(optimizer) == "new":
         if norm and norm > 0:
             return [("norm", float(norm))]
+        if overall and overall > 0:
+            return [("global", float(overall))]
         return [("value", float(value))] if value and value > 0 else []
     return ([("value", float(value))] if value is not None else []) + \
-        ([("norm", float(norm))] if norm is not None else [])
+        ([("norm", float(norm))] if norm is not None else []) + \
+        ([("global", float(overall))] if overall is not None else [])
+
+
+@contextlib.contextmanager
+def global_clipnorm_unset(optimizer):
+    """While tracing inside it, ``optimizer.apply_gradients`` does not clip by ``global_clipnorm`` (its caller has
+    scaled the gradients by the factor of the whole step's norm). Either family reads the attribute when it builds
+    the update; the legacy one's setter also remakes its clipping function."""
+    value = global_clipnorm(optimizer)
+    optimizer.global_clipnorm = None
+    try:
+        yield
+    finally:
+        optimizer.global_clipnorm = value
 
 
 def clone_optimizer(optimizer, clip=True):
     """A fresh optimizer of the same class and hyper-parameters, never XLA-compiled (it updates on a PS device).
 
-    With ``clip=False`` it does not clip gradients (``clipnorm`` / ``clipvalue`` unset): its caller has clipped.
+    With ``clip=False`` it does not clip gradients (``clipnorm`` / ``clipvalue`` / ``global_clipnorm`` unset): its
+    caller has clipped.
     A legacy optimizer's ``gradient_transformers`` (not part of its config) are refused.
     """
     if getattr(optimizer, "gradient_transformers", None):
@@ -80,7 +99,7 @@ def clone_optimizer(optimizer, clip=True):
             "train_step.")
     config = optimizer.get_config()
     if not clip:
-        config.update(clipnorm=None, clipvalue=None)
+        config.update(clipnorm=None, clipvalue=None, global_clipnorm=None)
     clone = type(optimizer).from_config(config)
     copy_weight_decay_exclusion(optimizer, clone)
     mark_owned(clone)

@@ -322,8 +322,8 @@ def _walk(kinds, tensors):
 def plan(grads_and_vars, is_ps_variable, num_workers, accumulating=False, clipping=False, ps_averages=True):
     """The ``Replay`` of the gradients in ``grads_and_vars`` (the list a routing optimizer received) that a
     ``train_step`` transformed in a way averaging does not commute with, or None (nothing recorded, one worker, or
-    nothing to replay). ``clipping``: the optimizer clips (clipnorm / clipvalue); ``ps_averages``: the PS divides
-    the workers' summed gradients by their count (``average_sparse``). Raises ValueError for a transformation that
+    nothing to replay). ``clipping``: the optimizer clips (clipnorm / clipvalue / global_clipnorm); ``ps_averages``:
+    the PS divides the workers' summed gradients by their count (``average_sparse``). Raises ValueError for a transformation that
     cannot be one process's (module docstring)."""
     leaves = getattr(_ACTIVE, "leaves", None)
     if not leaves or num_workers == 1:
@@ -349,7 +349,7 @@ def plan(grads_and_vars, is_ps_variable, num_workers, accumulating=False, clippi
         op = next((kinds.why[p.ref()] for p in parts if kinds.why.get(p.ref()) is not None), parts[0].op)
         steps, reached, local = _walk(kinds, parts)
         if is_ps_variable(variable) and clipping:
-            _refuse(variable, op, "the optimizer's clipnorm / clipvalue too", "The replayed gradient of a PS "
+            _refuse(variable, op, "the optimizer's clipnorm / clipvalue / global_clipnorm too", "The replayed gradient of a PS "
                     "variable reaches the PS from every worker whole, where that clipping expects each worker's own.")
         if is_ps_variable(variable) and not ps_averages:
             _refuse(variable, op, "average_sparse=False", "The PS sums the workers' gradients of PS variables "
@@ -382,4 +382,4 @@ def _refuse(variable, op, what, why):
         f"batch's gradients, because it involves {what}. {why} Applied to each worker's own gradient instead, it "
         "would train differently from one process. Received: that transformation before apply_gradients. Compute it "
         "from the gradients, constants and variables only (kparallax then applies it to the global batch's "
-        "gradients), or use the optimizer's clipnorm / clipvalue alone (applied as one process does).")
+        "gradients), or use the optimizer's clipnorm / clipvalue / global_clipnorm alone (applied as one process does).")

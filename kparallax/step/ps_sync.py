@@ -13,7 +13,9 @@ Per step and per PS variable with a sparse gradient, in ONE remote chain on the 
   3. the end-of-step barrier (``train_step.py``) carries every pusher's tokens: no worker goes on before the update.
 Dense gradients of PS variables (the ``ps`` architecture) are added whole into the accumulator, and the step's last
 push applies them the same way. With ``clipnorm`` they instead pass a barrier carrying those pushes' tokens, then the
-chief reads the sums and applies them: their norm may span a table's shards on several tasks.
+chief reads the sums and applies them: their norm may span a table's shards on several tasks. With
+``global_clipnorm`` every update waits for one factor over the whole step (``clipping.py``); where there are dense
+gradients of PS variables, the sparse pushes' counts go through that barrier too, then the last pushes update.
 Gradient clipping (the user's ``clipnorm`` / ``clipvalue``) is applied along the way as one process would
 (``clipping.py``); the clones do not clip again.
 Only touched rows and their ids cross the network; the update math runs on the PS device. Ordering across devices
@@ -21,7 +23,7 @@ uses data edges only (see ``collectives.py``); control edges are used only betwe
 """
 
 import dataclasses
-from typing import List
+from typing import List, Optional
 
 import tensorflow as tf
 
@@ -45,10 +47,12 @@ class PsStep:
       tokens: int64 scalars the end-of-step barrier must wait for (this worker's pushes, the updates they made).
       keep: collective outputs nothing else reads (kept alive by the step).
       sent_bytes: int64 scalar, the bytes this worker sent to PS tasks in this step.
+      factor: with ``global_clipnorm``, the step's clipping factor (the same on every worker), else None.
     """
     tokens: List[tf.Tensor]
     keep: List[tf.Tensor]
     sent_bytes: tf.Tensor
+    factor: Optional[tf.Tensor] = None
 
 
 def nbytes(tensors):
@@ -101,11 +105,13 @@ class SyncPs:
         return self._registry.helper(variable, name, [], tf.int64)
 
     @tf.autograph.experimental.do_not_convert
-    def build(self, grads_and_vars, replay=None):
+    def build(self, grads_and_vars, replay=None, replicated_sum_of_squares=None):
         """Builds the pushes of ``grads_and_vars`` (PS variables) and the update by each variable's last push (with
         ``clipnorm``, for dense gradients: the barrier and, on the chief, their update). ``replay``: a
         ``gradient_transforms.Replay`` whose ``on_ps`` is true: its tape outputs are pushed too, then after the
-        barrier the chief repeats the ``train_step``'s transformation on their sums, on the PS, and applies it."""
+        barrier the chief repeats the ``train_step``'s transformation on their sums, on the PS, and applies it.
+        ``replicated_sum_of_squares``: with ``global_clipnorm``, that of the step's averaged replicated gradients
+        (its ``PsStep.factor`` scales them)."""
         sparse = [(g, v) for g, v in grads_and_vars if isinstance(g, tf.IndexedSlices)]
         dense = [(g, v) for g, v in grads_and_vars if not isinstance(g, tf.IndexedSlices)]
         tokens, keep, sent = [], [], []
@@ -113,52 +119,80 @@ class SyncPs:
         sparse = [(self._clip.slices(g), v) for g, v in sparse]
         factors, sums = self._clip.sparse_norm_factors(sparse)
         keep += sums
+        overall = self._clip.by_global_norm
+        sum_of_squares = None
+        if overall:
+            sum_of_squares = self._clip.sparse_sum_of_squares(sparse)
+            if replicated_sum_of_squares is not None:
+                sum_of_squares += replicated_sum_of_squares
         deduped = [local_aggregation.dedup(g.indices, g.values) for g, _ in sparse]
         tables = self._tables(sparse)
         pushed, unused = self._local.sparse(deduped, tables)
         keep += unused
+        counted = []  # (variable, its push's count): the update is made by the step's last push
         for (_, variable), (ids, rows) in zip(sparse, pushed or []):
-            factor = factors.get(self._group(variable))
             with tf.device(variable.device):
                 added = self._helper(variable, ACCUMULATOR).scatter_add(tf.IndexedSlices(rows, ids))
                 marked = self._helper(variable, TOUCHED).scatter_update(
                     tf.IndexedSlices(tf.ones_like(ids, tf.int32), ids))
                 with tf.control_dependencies([_op(added), _op(marked)]):
-                    pushes = count(self._helper(variable, PUSHES))
-                tokens.append(self._update_if_last(
-                    variable, pushes, lambda clone, v=variable, f=factor: self._apply_rows(v, clone, f)))
+                    counted.append((variable, count(self._helper(variable, PUSHES))))
             sent.append(nbytes([rows, ids]))
         replayed = replay.leaves(global_losses.gradient_share()) if replay else []
         dense_grads, unused = self._local.dense([g for g, _ in dense + replayed])
         keep += unused
-        # With ``clipnorm``, a dense gradient's factor spans its table's shards (on several tasks): every push must
-        # land before any update, so those go through a barrier and the chief. Without it, the last push applies.
-        # So do the replayed ones: their transformation reads the sums of several variables.
-        by_barrier = self._clip.by_norm
+        # With ``clipnorm`` or ``global_clipnorm``, a dense gradient's factor spans its table's shards (on several
+        # tasks) or the whole step: every push must land before any update, so those go through a barrier and the
+        # chief. Without, the last push applies. So do the replayed ones: their transformation reads the sums of
+        # several variables.
+        by_barrier = self._clip.by_norm or overall
+        dense_tokens = []
         for k, (grad, (_, variable)) in enumerate(zip(dense_grads or [], dense + replayed)):
             with tf.device(variable.device):
                 added = self._helper(variable, ACCUMULATOR).assign_add(grad)
                 with tf.control_dependencies([_op(added)]):
                     pushes = count(self._helper(variable, PUSHES))
-                tokens.append(pushes if by_barrier or k >= len(dense) else self._update_if_last(
+                dense_tokens.append(pushes if by_barrier or k >= len(dense) else self._update_if_last(
                     variable, pushes, lambda clone, v=variable: self._apply_summed(v, clone)))
             sent.append(nbytes([grad]))
         sent_bytes = tf.add_n(sent) if sent else tf.constant(0, tf.int64)
-        if not replayed and (not dense or not by_barrier):
-            return PsStep(tokens, keep, sent_bytes)
-        pushed_all = collectives.barrier(self._n, tokens, "kp_ps_pushed")
-        if not self._is_chief:
-            return PsStep(tokens, keep + [pushed_all], sent_bytes)
-        updates = []
-        if dense and by_barrier:
+        through_barrier = bool(replayed) or (dense and by_barrier)
+        pushed_all = None
+        if through_barrier:  # with ``global_clipnorm`` sparse updates wait for it: their pushes' counts go in
+            pushed_all = collectives.barrier(self._n, dense_tokens + ([p for _, p in counted] if overall else []),
+                                             "kp_ps_pushed")
+        grads = []
+        if dense and by_barrier and self._is_chief:
             grads = [(self._clip.dense(self._read_whole(variable, pushed_all)), variable) for _, variable in dense]
-            factors = self._clip.dense_norm_factors(grads)
+        factor = None
+        if overall:
+            if dense:  # the chief's sum, passed to every worker (zero from the others: computed, not a constant,
+                # which Grappler would fold the collective into)
+                local = (self._clip.dense_sum_of_squares(grads) if self._is_chief
+                         else tf.minimum(pushed_all, 0.0))
+                sum_of_squares += collectives.sum_over_workers(local, self._n, "kp_global_norm_ps_dense_sumsq")
+            factor = self._clip.global_factor(sum_of_squares)
+            keep.append(factor)  # its allreduces run on every worker, also where nothing reads it (e.g. no push)
+        for variable, pushes in counted:
+            scale = factor if overall else factors.get(self._group(variable))
+            with tf.device(variable.device):
+                tokens.append(self._update_if_last(
+                    variable, pushes, lambda clone, v=variable, f=scale: self._apply_rows(v, clone, f)))
+        tokens += dense_tokens
+        if not through_barrier:
+            return PsStep(tokens, keep, sent_bytes, factor)
+        if not self._is_chief:
+            return PsStep(tokens, keep + [pushed_all], sent_bytes, factor)
+        updates = []
+        if grads:
+            factors = ({self._group(v): factor for _, v in grads} if overall
+                       else self._clip.dense_norm_factors(grads))
             updates = [self._apply_whole(variable, grad, factors.get(self._group(variable)))
                        for grad, variable in grads]
         if replayed:
             sums = {variable.ref(): self._read_whole(variable, pushed_all) for _, variable in replayed}
             updates += [self._apply_whole(variable, grad) for grad, variable in replay.from_sums(sums)]
-        return PsStep(tokens + updates, keep, sent_bytes)
+        return PsStep(tokens + updates, keep, sent_bytes, factor)
 
     def _tables(self, sparse):
         """The positions in ``sparse`` of each table's variables (a variable, or all shards of a partitioned table),

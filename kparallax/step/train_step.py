@@ -23,6 +23,7 @@ from kparallax import log as logging
 
 from kparallax._compat import keras as keras_compat
 from kparallax.step import accumulation
+from kparallax.step import clipping
 from kparallax.step import collectives
 from kparallax.step import global_losses
 from kparallax.step import gradient_transforms
@@ -44,10 +45,6 @@ def resolve(optimizer):
             "would keep loss scales of their own. Received: "
             f"{type(optimizer).__name__} wrapping {type(optimizer.inner_optimizer).__name__}. Pass the inner "
             "optimizer with the 'mixed_float16' policy set: Keras wraps it at compile, which kparallax supports.")
-    if keras_compat.global_clipnorm(optimizer):
-        raise ValueError(
-            "global_clipnorm is not supported yet: the global norm would span the allreduce and PS paths. Use "
-            f"clipnorm (per variable) instead. Received: global_clipnorm={keras_compat.global_clipnorm(optimizer)}.")
     return optimizer
 
 
@@ -132,27 +129,54 @@ class Step:
             sparse = [v.name for g, v in dense if isinstance(g, tf.IndexedSlices)]
             if sparse:
                 raise ValueError(
-                    "sparse_as_dense=True cannot be combined with clipnorm / clipvalue: one process clips a sparse "
-                    "gradient slice by slice (one per looked-up id), a densified one after the slices of each id are "
-                    f"summed. Received: sparse_as_dense=True, clipping {keras_compat.clipping(optimizer)} and sparse "
-                    f"gradients of {sparse}. Use sparse_as_dense=False (the default).")
-        replayed_dense = []
+                    "sparse_as_dense=True cannot be combined with clipnorm / clipvalue / global_clipnorm: one process "
+                    "clips a sparse gradient slice by slice (one per looked-up id), a densified one after the slices "
+                    "of each id are summed. Received: sparse_as_dense=True, clipping "
+                    f"{keras_compat.clipping(optimizer)} and sparse gradients of {sparse}. Use sparse_as_dense=False "
+                    "(the default).")
+        overall = keras_compat.global_clipnorm(optimizer)
+        if overall and ps and not self.options.sync:
+            raise ValueError(
+                "global_clipnorm cannot be combined with sync=False when the model has PS variables: each worker "
+                "updates them on its own, so no norm over the whole step exists. Received: global_clipnorm="
+                f"{overall}, sync=False, {len(ps)} PS variable(s), e.g. {ps[0][1].name!r}. Use clipnorm (per "
+                "variable), or sync=True.")
+        replayed_dense, replayed_ps = [], []
+        if replay and not replay.on_ps:
+            # the same on every worker: a PS variable's is pushed whole by each, the PS averages it back
+            replayed = replay.run(self.num_workers, global_losses.gradient_share(), self.options.compression)
+            replayed_dense = [(g, v) for g, v in replayed if not self.is_ps_variable(v)]
+            replayed_ps = [(g, v) for g, v in replayed if self.is_ps_variable(v)]
+        averaged = None
+        if dense or replayed_dense:
+            averaged = collectives.average_gradients(dense, self.num_workers, compression=self.options.compression,
+                                                     sparse_as_dense=self.options.sparse_as_dense)
+            averaged = replay.merge(averaged, replayed_dense) if replay else averaged
+        # With global_clipnorm and PS variables the PS path scales by the norm of the whole step, replicated
+        # gradients included, and Keras applies the scaled ones without clipping them again (clipping by value
+        # again changes nothing); without PS variables Keras' own clipping of the averaged gradients is one
+        # process's.
+        norm = {}
+        if overall and (ps or replayed_ps):  # clipped by value first where Keras does (legacy optimizers)
+            bounds = [bound for kind, bound in keras_compat.clipping(optimizer) if kind == "value"]
+            averaged = [(clipping.by_value(g, bounds), v) for g, v in averaged or []] or None
+            norm = {"replicated_sum_of_squares": clipping.sum_of_squares([g for g, _ in averaged or []])}
         if replay and replay.on_ps:  # the chief repeats it on the PS, from the sums of the workers' pushes
-            ps_step = self.ps_path.build(ps, replay=replay)
+            ps_step = self.ps_path.build(ps, replay=replay, **norm)
         else:
-            if replay:  # the same on every worker: a PS variable's is pushed whole by each, the PS averages it back
-                replayed = replay.run(self.num_workers, global_losses.gradient_share(), self.options.compression)
-                replayed_dense = [(g, v) for g, v in replayed if not self.is_ps_variable(v)]
-                ps = replay.merge(ps, [(g, v) for g, v in replayed if self.is_ps_variable(v)])
-            ps_step = self.ps_path.build(ps) if ps else None
+            ps = replay.merge(ps, replayed_ps) if replay else ps
+            ps_step = self.ps_path.build(ps, **norm) if ps else None
         keep = list(ps_step.keep) if ps_step else []
         counters = self._count_sent(dense + (replay.leaves() if replay and not replay.on_ps else []),
                                     ps_step.sent_bytes if ps_step else tf.constant(0, tf.int64))
         applied = None
-        if dense or replayed_dense:
-            averaged = collectives.average_gradients(dense, self.num_workers, compression=self.options.compression,
-                                                     sparse_as_dense=self.options.sparse_as_dense)
-            applied = apply_dense(replay.merge(averaged, replayed_dense) if replay else averaged)
+        if averaged is not None:
+            if ps_step is not None and getattr(ps_step, "factor", None) is not None:
+                averaged = [(clipping.scaled(g, ps_step.factor), v) for g, v in averaged]
+                with keras_compat.global_clipnorm_unset(optimizer):
+                    applied = apply_dense(averaged)
+            else:
+                applied = apply_dense(averaged)
         if ps_step is not None and self.options.sync:
             keep.append(collectives.barrier(self.num_workers, ps_step.tokens, name="kp_step_done"))
         outputs = [collectives.keep_alive(keep)] if keep else []

@@ -33,10 +33,10 @@ def regularized():
 class Tied(tf.keras.Model):
     """Subclassed; the output layer is the table transposed (``logits = h @ embeddings^T``)."""
 
-    def __init__(self):
-        super().__init__(name="tied")
-        self.embedding = tf.keras.layers.Embedding(VOCAB, EMB, name="tied_embedding")
-        self.hidden = tf.keras.layers.Dense(EMB, activation="tanh", name="tied_hidden")
+    def __init__(self, name="tied"):
+        super().__init__(name=name)
+        self.embedding = tf.keras.layers.Embedding(VOCAB, EMB, name=f"{name}_embedding")
+        self.hidden = tf.keras.layers.Dense(EMB, activation="tanh", name=f"{name}_hidden")
 
     def call(self, ids):
         h = self.hidden(tf.reduce_mean(self.embedding(ids[:, :-1]), axis=1))
@@ -48,6 +48,15 @@ def tied():
     model.build((None, LEN))
     loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     return model, tf.keras.optimizers.Adagrad(0.3), loss, {}
+
+
+def tied_clipped():
+    """``tied`` trained with ``global_clipnorm`` (binding at every step): the norm spans the replicated hidden layer,
+    the table's dense gradient and, under ``ps``, everything on the PS. Momentum SGD, whose step scales with it."""
+    model = Tied("tied_clipped")
+    model.build((None, LEN))
+    loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return model, tf.keras.optimizers.SGD(0.3, momentum=0.9, global_clipnorm=0.2), loss, {}
 
 
 def multi_step():
@@ -62,11 +71,11 @@ def multi_step():
         {"steps_per_execution": 3}
 
 
-MODELS = {"regularized": regularized, "tied": tied, "multi_step": multi_step}
+MODELS = {"regularized": regularized, "tied": tied, "tied_clipped": tied_clipped, "multi_step": multi_step}
 
 
 def targets(name, tokens, regression):
-    return tokens if name == "tied" else regression
+    return tokens if name.startswith("tied") else regression
 
 
 def initial_weights(model):

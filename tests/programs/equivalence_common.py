@@ -21,6 +21,10 @@ OPTIMIZERS = {
     "clipnorm": lambda: tf.keras.optimizers.Adam(0.01, clipnorm=0.5),
     "legacy_clip_both": lambda: tf.keras.optimizers.legacy.SGD(0.2, momentum=0.9, clipvalue=0.1, clipnorm=0.3),
     "adam_ema": lambda: tf.keras.optimizers.Adam(0.01, use_ema=True, ema_overwrite_frequency=5),
+    # One norm over every gradient (the table's slices, the dense layers'); binds on the first steps.
+    "global_clipnorm": lambda: tf.keras.optimizers.SGD(0.2, momentum=0.9, global_clipnorm=1.0),
+    "legacy_clip_global": lambda: tf.keras.optimizers.legacy.SGD(0.2, momentum=0.9, clipvalue=0.1,
+                                                                 global_clipnorm=0.3),
 }
 
 
