@@ -109,7 +109,7 @@ def test_a_norm_reading_the_table_s_gradient_replays_the_others():
     (lambda grads, loss: tf.clip_by_global_norm(grads, 0.1)[0],
      "transforms the gradient of 'table:0' by a function of its gradients (L2Loss op 'global_norm/L2Loss', e.g. "
      "tf.clip_by_global_norm or tf.clip_by_value) that kparallax cannot compute on the global batch's gradients, "
-     "because it involves the optimizer's clipnorm / clipvalue too", {"clipping": True}),
+     "because it involves the optimizer's clipnorm / clipvalue / global_clipnorm too", {"clipping": True}),
     (lambda grads, loss: tf.clip_by_global_norm(grads, 0.1)[0],
      "transforms the gradient of 'table:0' by a function of its gradients (L2Loss op 'global_norm/L2Loss', e.g. "
      "tf.clip_by_global_norm or tf.clip_by_value) that kparallax cannot compute on the global batch's gradients, "

@@ -187,7 +187,7 @@ def test_a_cluster_file_of_this_host_only_starts_it_without_ssh(tmp_path):
     ("virtual_batch", "refused: BatchNormalization layer 'vbn' normalizes sub-batches of 2 rows of each worker's batch"),
     ("clip_refused", ("ValueError: The train_step transforms the gradient of 'transformed/table/embeddings:0' by a "
                       "function of its gradients (L2Loss op 'global_norm/L2Loss'",
-                      "because it involves the optimizer's clipnorm / clipvalue too.",
+                      "because it involves the optimizer's clipnorm / clipvalue / global_clipnorm too.",
                       "ValueError: The train_step transforms the gradient of 'transformed_1/out/kernel:0' by a "
                       "function of its gradients (RealDiv op 'truediv'",
                       "because it involves a value of this worker's own")),

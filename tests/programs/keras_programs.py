@@ -1130,6 +1130,39 @@ def tracked_train_step(scope, batch):
     return model
 
 
+def _two_heads():
+    """Functional model: a table and a hidden layer shared by a regression head and a 3-class head."""
+    ids = tf.keras.Input((LEN,), dtype=tf.int32, name="ids")
+    h = tf.keras.layers.Dense(8, activation="tanh")(
+        tf.keras.layers.Flatten()(tf.keras.layers.Embedding(VOCAB, EMB)(ids)))
+    score = tf.keras.layers.Dense(1, name="score")(h)
+    label = tf.keras.layers.Dense(3, activation="softmax", name="label")(h)
+    return tf.keras.Model(ids, {"score": score, "label": label})
+
+
+def multi_output(scope, batch):
+    """Two outputs with their own losses, loss_weights, per-output metrics (one weighted by per-row sample
+    weights), Adam with global_clipnorm, on a dataset with a partial last batch; every epoch's logs are kept."""
+    ids, rng = _ids(37)
+    y = {"score": rng.normal(size=(ROWS, 1)).astype(np.float32),
+         "label": rng.integers(0, 3, size=(ROWS,)).astype(np.int32)}
+    weights = {"score": np.ones(ROWS, np.float32), "label": rng.uniform(0.2, 2.0, size=ROWS).astype(np.float32)}
+    rows = ROWS - 10
+    data = tf.data.Dataset.from_tensor_slices((ids[:rows], {k: v[:rows] for k, v in y.items()},
+                                               {k: v[:rows] for k, v in weights.items()}))
+    with scope():
+        model = _two_heads()
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.02, global_clipnorm=0.5),
+                      loss={"score": "mse", "label": "sparse_categorical_crossentropy"},
+                      loss_weights={"score": 0.3, "label": 1.0},
+                      metrics={"score": ["mae"], "label": ["accuracy"]},
+                      weighted_metrics={"label": ["accuracy"]})
+        history = model.fit(data.batch(batch), epochs=2, verbose=0)
+    model.logged = [np.array(history.history[key]) for key in sorted(history.history)]
+    return model
+
+
 PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, mixed_float16_clipped,
                                     clipped_two_optimizers, ratio_metrics, custom_metric_classes, sparse_and_ragged_inputs,
                                     sequence_input, generator_input,
@@ -1142,5 +1175,5 @@ PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, mixed
                                     masked_sequence_losses, own_loss_partial_batch, weighted_metrics_sample_weights,
                                     gru_conv1d_evaluate, stateful_lstm, run_eagerly_dense, two_optimizers,
                                     fine_tuning, own_compute_loss, own_embedding_layer,
-                                    added_metrics, tracked_train_step,
+                                    added_metrics, tracked_train_step, multi_output,
                                     train_on_batch_loop)}  # last: it seeds Keras' random generator
