@@ -9,7 +9,7 @@ of the LSTM are clipped to a global norm of ``clip_norm``. Evaluation uses the f
 
 import dataclasses
 import math
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import tensorflow as tf
 
@@ -33,6 +33,9 @@ class LMConfig:
     # model's own add_weight variables, as a plain TensorFlow program passes them to a sampled softmax; kparallax
     # finds their sparse gradients at the first step and moves them onto PS tasks whole).
     softmax: str = "embedding"
+    # The optimizer's own ``global_clipnorm`` over every gradient, tables included (None: off; the LSTM's clip to
+    # ``clip_norm`` above stays either way).
+    global_clipnorm: Optional[float] = None
 
     def __post_init__(self):
         for name in ("vocab_size", "embedding_dim", "lstm_units", "projection_dim", "num_sampled", "num_steps",
@@ -45,6 +48,10 @@ class LMConfig:
                              f"vocab_size={self.vocab_size}.")
         if self.softmax not in ("embedding", "weights"):
             raise ValueError(f"softmax must be 'embedding' or 'weights'. Received: softmax={self.softmax!r}.")
+        if self.global_clipnorm is not None and not (isinstance(self.global_clipnorm, (int, float))
+                                                     and self.global_clipnorm > 0):
+            raise ValueError("global_clipnorm must be a number > 0, or null for none. Received: "
+                             f"global_clipnorm={self.global_clipnorm!r}.")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1). Received: dropout={self.dropout!r}.")
 
@@ -273,8 +280,8 @@ class LM1B(tf.keras.Model):
 
 
 def make_optimizer(config: LMConfig, learning_rate=None):
-    """Adagrad at the preset's learning rate, as Parallax trained LM1B."""
-    return tf.keras.optimizers.Adagrad(learning_rate or config.learning_rate)
+    """Adagrad at the preset's learning rate, as Parallax trained LM1B (with the config's ``global_clipnorm``)."""
+    return tf.keras.optimizers.Adagrad(learning_rate or config.learning_rate, global_clipnorm=config.global_clipnorm)
 
 
 def perplexity(loss: float) -> float:

@@ -206,3 +206,8 @@ def test_presets_are_the_json_files_in_configs(tmp_path):
         lm1b.preset("lm2b")
     with pytest.raises(ValueError, match=r"is not a resnet config"):
         resnet.preset(str(custom))
+    assert lm1b.make_optimizer(lm1b.preset("lm1b_tiny")).global_clipnorm is None
+    assert lm1b.make_optimizer(lm1b.preset("lm1b_tiny", global_clipnorm=2.5)).global_clipnorm == 2.5
+    with pytest.raises(ValueError, match=r"global_clipnorm must be a number > 0, or null for none. Received: "
+                                         r"global_clipnorm=0"):
+        lm1b.preset("lm1b_tiny", global_clipnorm=0)
