@@ -93,7 +93,7 @@ class Clipping:
         order = list(dict.fromkeys(self._group_of(v) for _, v in sparse))
         local = [[] for _ in order]
         for grad, variable in sparse:
-            local[order.index(self._group_of(variable))].append(tf.reduce_sum(tf.square(grad.values)))
+            local[order.index(self._group_of(variable))].append(sum_of_squares([grad]))
         totals = [collectives.sum_over_workers(tf.add_n(v), self._n, f"kp_sparse_sumsq_{i}") / float(self._divisor ** 2)
                   for i, v in enumerate(local)]
         return {key: self._factor(totals[i]) for i, key in enumerate(order)}, totals
@@ -106,7 +106,7 @@ class Clipping:
         groups = {}
         for grad, variable in grads_and_vars:
             with tf.device(variable.device):
-                groups.setdefault(self._group_of(variable), []).append(tf.reduce_sum(tf.square(grad)))
+                groups.setdefault(self._group_of(variable), []).append(sum_of_squares([grad]))
         return {key: self._factor(tf.add_n(sums)) for key, sums in groups.items()}
 
     def _factor(self, sum_of_squares):

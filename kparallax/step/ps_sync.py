@@ -252,7 +252,7 @@ class SyncPs:
         ids = tf.where(touched.read_value() > 0)[:, 0]
         rows = self._scaled(accumulator.sparse_read(ids))
         if factor is not None:
-            rows = rows * factor
+            rows = clipping_lib.scaled(rows, factor)
         grad = tf.IndexedSlices(rows, ids, dense_shape=tf.constant(variable.shape.as_list(), tf.int64))
         clone.apply_gradients([(grad, variable)])
         # Automatic control dependencies order these reads and writes after the update of the same variables.
@@ -284,7 +284,7 @@ class SyncPs:
     def _apply_whole(self, variable, grad, factor=None):
         with tf.device(variable.device):
             if factor is not None:
-                grad = grad * factor
+                grad = clipping_lib.scaled(grad, factor)
             return self._apply_dense(variable, self._clones.get(variable), grad)
 
     def _apply_dense(self, variable, clone, grad):

@@ -171,7 +171,7 @@ class Step:
                                     ps_step.sent_bytes if ps_step else tf.constant(0, tf.int64))
         applied = None
         if averaged is not None:
-            if ps_step is not None and getattr(ps_step, "factor", None) is not None:
+            if ps_step is not None and ps_step.factor is not None:
                 averaged = [(clipping.scaled(g, ps_step.factor), v) for g, v in averaged]
                 with keras_compat.global_clipnorm_unset(optimizer):
                     applied = apply_dense(averaged)
