@@ -16,6 +16,7 @@ import tensorflow as tf
 import kparallax as kp
 from kparallax._compat import keras as keras_compat
 from kparallax.step import ps_sync
+from programs.keras_programs import WarmUp  # a schedule class as TensorFlow's transformer tutorial writes one
 
 VOCAB, EMB, LEN = 60, 4, 3
 
@@ -396,6 +397,42 @@ def test_learning_rate_callbacks_reach_the_ps(strategy, partitions, family):
             [w.name.split("/")[-1] for w in plain.optimizer.weights[:3]]
 
 
+
+@pytest.mark.parametrize("case", ["new_schedule", "legacy_schedule", "legacy_callable"])
+@pytest.mark.parametrize("partitions", [1, 3])
+def test_learning_rate_objects_of_the_user_reach_every_variable(strategy, partitions, case):
+    """A schedule class of the user's (refused at compile before: kparallax copied the optimizer through Keras'
+    serialization, which needs get_config and registration) and a legacy optimizer's callable rate reading a
+    variable a callback changes (before: frozen at its value at compile, for every variable, silently) train the
+    PS and replicated variables as plain Keras does."""
+    rate = tf.Variable(0.1, trainable=False)
+    makers = {"new_schedule": lambda: tf.keras.optimizers.Adam(WarmUp(0.05, 4.0)),
+              "legacy_schedule": lambda: tf.keras.optimizers.legacy.Adam(WarmUp(0.05, 4.0)),
+              "legacy_callable": lambda: tf.keras.optimizers.legacy.SGD(lambda: rate * 1.0, momentum=0.5)}
+    halve = tf.keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: rate.assign(rate * 0.5))
+
+    def fit(model):
+        rate.assign(0.1)
+        model.set_weights(_initial(model))
+        model.compile(optimizer=makers[case](), loss="mse")
+        x, y = _data()
+        return model.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0, callbacks=[halve]).history["loss"]
+
+    plain = _model(f"plain_{case}_objects")
+    expected_loss = fit(plain)
+    with kp.HybridStrategy(strategy.cluster, partitions=partitions).scope():
+        model = _model(f"fast_{case}_objects_{partitions}")
+        loss = fit(model)
+    for got, want in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+    if case == "legacy_callable":  # the rate's changes matter on this model, or the test would be vacuous
+        fixed = _model("plain_fixed_rate")
+        rate.assign(0.1)
+        _train(fixed, tf.keras.optimizers.legacy.SGD(0.1, momentum=0.5), epochs=3)
+        assert not np.allclose(fixed.get_weights()[0], plain.get_weights()[0], atol=1e-3)
+
+
 def test_clipping_with_sparse_as_dense_is_refused(strategy):
     with kp.HybridStrategy(strategy.cluster, architecture="allreduce", sparse_as_dense=True).scope():
         model = _model("fast_dense_clipped")
@@ -532,7 +569,7 @@ def test_global_clipnorm_with_async_ps_is_refused(strategy):
             _train(model, tf.keras.optimizers.SGD(0.1, global_clipnorm=0.5))
 
 
-def test_mixed_precision_recompile_keeps_the_optimizer_and_an_explicit_loss_scale_optimizer_is_refused(strategy):
+def test_mixed_precision_recompile_keeps_the_optimizer(strategy):
     def fit_twice(model):
         model.set_weights(_initial(model))
         model.compile(optimizer=tf.keras.optimizers.Adam(0.05), loss="mse")
@@ -548,10 +585,6 @@ def test_mixed_precision_recompile_keeps_the_optimizer_and_an_explicit_loss_scal
         with strategy.scope():
             model = _model("fast_mixed")
             loss = fit_twice(model)
-            refused = _model("fast_explicit_loss_scale")
-            with pytest.raises(ValueError, match="LossScaleOptimizer passed to compile is not supported"):
-                refused.compile(optimizer=tf.keras.mixed_precision.LossScaleOptimizer(tf.keras.optimizers.Adam()),
-                                loss="mse")
     finally:
         tf.keras.mixed_precision.set_global_policy("float32")
     assert int(model.optimizer.iterations) == int(plain.optimizer.iterations) == 12
@@ -562,6 +595,54 @@ def test_mixed_precision_recompile_keeps_the_optimizer_and_an_explicit_loss_scal
     for got, want in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+
+
+
+@pytest.mark.parametrize("case", ["keras_dynamic", "legacy_dynamic", "keras_fixed", "float32_policy",
+                                  "keras_wrapped", "legacy_wrapped"])
+def test_loss_scale_optimizers_train_as_in_plain_keras(strategy, case):
+    """A LossScaleOptimizer passed to compile (refused before): its settings hold. The dynamic ones start at 2**10
+    and double every 2 finite steps until float16 gradients overflow, so steps are skipped and the scale halves,
+    as in plain Keras; the fixed one never changes; under the float32 policy Keras keeps it too. The wrapped ones
+    are Keras' own (the mixed_float16 policy) with a loss 1000 times larger: their first steps overflow at the
+    default scale, 2**15, and are skipped. A skipped step counts in the optimizer's step but updates no variable:
+    before, the PS-side copies of Adam missed those steps in their bias correction (3e-3 off plain Keras,
+    silently)."""
+    scaled = tf.keras.mixed_precision.LossScaleOptimizer
+    makers = {"keras_dynamic": lambda: scaled(tf.keras.optimizers.Adam(0.05), initial_scale=2.0 ** 10,
+                                              dynamic_growth_steps=2),
+              "legacy_dynamic": lambda: scaled(tf.keras.optimizers.legacy.SGD(0.1, momentum=0.5),
+                                               initial_scale=2.0 ** 10, dynamic_growth_steps=2),
+              "keras_fixed": lambda: scaled(tf.keras.optimizers.SGD(0.1, momentum=0.5), dynamic=False,
+                                            initial_scale=64.0),
+              "float32_policy": lambda: scaled(tf.keras.optimizers.Adam(0.05), initial_scale=2.0 ** 10,
+                                               dynamic_growth_steps=2),
+              "keras_wrapped": lambda: tf.keras.optimizers.Adam(0.05),
+              "legacy_wrapped": lambda: tf.keras.optimizers.legacy.Adam(0.05)}
+    weights = {"loss_weights": [1000.0]} if case.endswith("wrapped") else {}
+
+    def fit(model):
+        loss = _train(model, makers[case](), epochs=3, **weights)
+        return loss, float(model.optimizer.loss_scale), int(model.optimizer.iterations)
+
+    tf.keras.mixed_precision.set_global_policy("float32" if case == "float32_policy" else "mixed_float16")
+    try:
+        plain = _model(f"plain_explicit_{case}")
+        expected = fit(plain)
+        with kp.HybridStrategy(strategy.cluster, partitions=3).scope():
+            model = _model(f"fast_explicit_{case}")
+            got = fit(model)
+    finally:
+        tf.keras.mixed_precision.set_global_policy("float32")
+    assert type(model.optimizer) is type(plain.optimizer)
+    assert got[1:] == expected[1:], (got, expected)  # the loss scale and step count after 18 steps
+    if case.endswith("dynamic"):  # the scale grew and was halved: some steps were skipped
+        assert expected[1] not in (2.0 ** 10, 2.0 ** 19), expected
+    if case.endswith("wrapped"):  # halved from 2**15: steps were skipped
+        assert expected[1] < 2.0 ** 15, expected
+    for got_weight, want in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got_weight, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[0], expected[0], rtol=1e-5)
 
 
 SAVED = {  # optimizer, strategy options, per-worker batch

@@ -97,15 +97,69 @@ def clone_optimizer(optimizer, clip=True):
             "on the PS from its config, which does not hold them. Received: gradient_transformers="
             f"{optimizer.gradient_transformers!r}. Use clipnorm / clipvalue, or transform the gradients in a custom "
             "train_step.")
-    config = optimizer.get_config()
-    if not clip:
-        config.update(clipnorm=None, clipvalue=None, global_clipnorm=None)
-    clone = type(optimizer).from_config(config)
-    copy_weight_decay_exclusion(optimizer, clone)
+    overrides = {} if clip else {"clipnorm": None, "clipvalue": None, "global_clipnorm": None}
+    clone = copy_optimizer(optimizer, **overrides)
     mark_owned(clone)
     if optimizer_family(clone) == "new":
         clone.jit_compile = False
     return clone
+
+
+def copy_optimizer(optimizer, cls=None, **overrides):
+    """A new optimizer of class ``cls`` (default: ``optimizer``'s) with ``optimizer``'s config and weight-decay
+    exclusions; ``overrides`` replace config entries.
+
+    Hyper-parameters that are objects, a ``LearningRateSchedule`` (and a legacy optimizer's callables), are
+    ``optimizer``'s own, not copies made through Keras' serialization: a schedule class of the user's needs neither
+    ``get_config`` nor registration, as in one process (which serializes it only to save the model), and a legacy
+    optimizer's ``learning_rate=lambda: ...`` stays a callable instead of becoming its value at copy time.
+    """
+    objects = _object_hyperparameters(optimizer)
+    with _hyperparameters_replaced(optimizer, {name: 0.0 for name in objects}):
+        config = optimizer.get_config()
+    config.update(objects)
+    config.update(overrides)
+    copy = (cls or type(optimizer)).from_config(config)
+    copy_weight_decay_exclusion(optimizer, copy)
+    return copy
+
+
+def _object_hyperparameters(optimizer):
+    """{config name: object} of ``optimizer``'s hyper-parameters that its config would serialize or evaluate: a
+    Keras 2.11+ optimizer's learning-rate schedule; a legacy optimizer's schedules and callables (private
+    ``_learning_rate`` / ``_hyper``)."""
+    # pylint: disable=protected-access
+    schedule = tf.keras.optimizers.schedules.LearningRateSchedule
+    if optimizer_family(optimizer) == "new":
+        rate = getattr(optimizer, "_learning_rate", None)
+        return {"learning_rate": rate} if isinstance(rate, schedule) else {}
+    return {name: value for name, value in optimizer._hyper.items()
+            if isinstance(value, schedule) or (callable(value) and not isinstance(value, tf.Variable))}
+
+
+@contextlib.contextmanager
+def _hyperparameters_replaced(optimizer, values):
+    """While the caller reads ``optimizer``'s config, its hyper-parameters named in ``values`` hold those values
+    (set without Keras' tracking or validation, restored after)."""
+    # pylint: disable=protected-access
+    new = optimizer_family(optimizer) == "new"
+    store = optimizer.__dict__ if new else optimizer._hyper
+    keys = {name: "_learning_rate" if new else name for name in values}
+    saved = {name: store[key] for name, key in keys.items()}
+    try:
+        for name, value in values.items():
+            store[keys[name]] = value
+        yield
+    finally:
+        for name, value in saved.items():
+            store[keys[name]] = value
+
+
+def copy_loss_scale_optimizer(optimizer, inner):
+    """A ``LossScaleOptimizer`` of ``optimizer``'s class and loss-scale settings around ``inner`` (its config
+    without serializing the inner optimizer: ``copy_optimizer``). The current scale is ``copy_loss_scale``'s."""
+    return type(optimizer)(inner, dynamic=optimizer.dynamic, initial_scale=optimizer.initial_scale,
+                           dynamic_growth_steps=optimizer.dynamic_growth_steps if optimizer.dynamic else None)
 
 
 _EXCLUSION = ("_exclude_from_weight_decay", "_exclude_from_weight_decay_names")
@@ -156,6 +210,28 @@ def build_optimizer(optimizer, var_list):
         optimizer.build(var_list)
     else:
         optimizer._create_all_weights(var_list)  # pylint: disable=protected-access
+
+
+def skip_steps_together(optimizer, any_worker_overflowed):
+    """Makes the dynamic ``LossScaleOptimizer`` ``optimizer`` skip a step when any worker's gradients are not
+    finite, not only its own: ``any_worker_overflowed(flag)`` (a bool tensor, this worker's) is the same on every
+    worker. Keras decides from gradients it expects aggregated over replicas already; kparallax averages them
+    after that decision, inside the step. One process skips when its global batch's gradients overflow, which they
+    do when any worker's part of them does. Keras 2.11-2.15 (either family): the decision is made by the private
+    ``_loss_scale.update(grads)``, which reads only whether ``grads`` are all finite; it is given one value that
+    is, or is not. A fixed loss scale never skips and is left as it is. Idempotent."""
+    state = getattr(optimizer, "_loss_scale", None)  # pylint: disable=protected-access
+    if not optimizer.dynamic or state is None or "update" in state.__dict__:
+        return
+    decide = type(state).update
+
+    def update(grads):
+        values = [g.values if isinstance(g, tf.IndexedSlices) else g for g in tf.nest.flatten(grads) if g is not None]
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for v in values]) if values else tf.constant(True)
+        overflowed = any_worker_overflowed(tf.logical_not(finite))
+        return decide(state, [tf.where(overflowed, float("nan"), 0.0)])
+
+    state.__dict__["update"] = update
 
 
 def copy_loss_scale(source, target):

@@ -51,7 +51,7 @@ def plain_optimizer(strategy, model, clones, wholes):
     """
     trained = model.optimizer
     if keras_compat.is_loss_scale_optimizer(trained):
-        plain = type(trained).from_config(trained.get_config())  # the inner optimizer comes back of a plain class
+        plain = keras_compat.copy_loss_scale_optimizer(trained, _fresh(trained.inner_optimizer))
         layout = _Correspondence(strategy, model, wholes, trained.inner_optimizer, plain.inner_optimizer)
         keras_compat.copy_loss_scale(trained, plain)
     else:
@@ -159,9 +159,7 @@ class _Correspondence:
 
 def _fresh(optimizer):
     """A new optimizer of ``optimizer``'s plain class (not kparallax's routing class) and config."""
-    fresh = train_step.plain_class(optimizer).from_config(optimizer.get_config())
-    keras_compat.copy_weight_decay_exclusion(optimizer, fresh)
-    return fresh
+    return keras_compat.copy_optimizer(optimizer, train_step.plain_class(optimizer))
 
 
 def _stand_in(variable):

@@ -348,7 +348,9 @@ class HybridStrategy:
         An optimizer instance compiled before in this strategy (the user's, or the one a model holds, as in
         ``model.compile(optimizer=model.optimizer, ...)``: the routing optimizer, or under mixed precision Keras'
         ``LossScaleOptimizer`` around it, returned as it is) gets the same back: as in one process, its step count,
-        slots and PS-side state carry over to the new compile.
+        slots and PS-side state carry over to the new compile. A ``LossScaleOptimizer`` of the user's gives one of
+        the same class and loss-scale settings around the routing optimizer of its inner one (Keras keeps it as it
+        is, as it keeps the user's in one process).
         """
         inner = getattr(optimizer, "inner_optimizer", None)
         for made in ([] if isinstance(optimizer, str) else self._optimizers):
@@ -356,7 +358,9 @@ class HybridStrategy:
                 return optimizer, made[2], made[3]
             if optimizer is made[0] or optimizer is made[1]():
                 return made[0], made[2], made[3]
-        source = optimizer
+        source, loss_scale = optimizer, None
+        if keras_compat.is_loss_scale_optimizer(optimizer):  # the user's own: ours goes inside it
+            loss_scale, optimizer = optimizer, optimizer.inner_optimizer
         optimizer = train_step.resolve(optimizer)
         sync = self._options.sync
         clones = clones_lib.Clones(self._registry, optimizer, namespace=f"kp_optimizer_{len(self._clones)}",
@@ -379,6 +383,9 @@ class HybridStrategy:
         step.moves_sparse = self.moves_sparse
         wrapped = train_step.wrap(optimizer, step)
         clones.learning_rate_source = wrapped
+        if loss_scale is not None:
+            wrapped = keras_compat.copy_loss_scale_optimizer(loss_scale, wrapped)
+            keras_compat.copy_loss_scale(loss_scale, wrapped)
         self._clones.append(clones)
         if not isinstance(source, str):
             self._optimizers.append((wrapped, weakref.ref(source), step, clones))

@@ -215,6 +215,11 @@ def any_worker(flag, num_workers, name):
     return bool(sum_over_workers(tf.constant(float(bool(flag))), num_workers, name).numpy() > 0)
 
 
+def any_worker_in_graph(flag, num_workers, name):
+    """Whether the bool tensor ``flag`` is true on any worker (a tensor; every worker must run it)."""
+    return sum_over_workers(tf.cast(flag, tf.float32), num_workers, name) > 0
+
+
 def broadcast_variables(variables, name):
     """Assigns worker 0's values to ``variables`` on every worker (eager; every worker passes its variables in the
     same order): one Horovod broadcast per dtype, of that dtype's variables packed into one flat buffer.

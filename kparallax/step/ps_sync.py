@@ -9,7 +9,8 @@ Per step and per PS variable with a sparse gradient, in ONE remote chain on the 
      slots are shared on the PS), zeroes those rows and the mask and increments the update counter. That value is
      its token; the other pushes' token is their count. So the update starts where the last rows land, with no
      collective and no further round trip. Everything the update reads is on the PS or crossed before the push
-     (the learning rate, which lives on the worker, is read once per step outside it);
+     (the learning rate and the optimizer's step count, which live on the worker, are read once per step outside
+     it);
   3. the end-of-step barrier (``train_step.py``) carries every pusher's tokens: no worker goes on before the update.
 Dense gradients of PS variables (the ``ps`` architecture) are added whole into the accumulator, and the step's last
 push applies them the same way. With ``clipnorm`` they instead pass a barrier carrying those pushes' tokens, then the
@@ -90,6 +91,7 @@ class SyncPs:
         self._registry = registry
         self._pushers = pushers
         self._rates = {}
+        self._step_count = None
         self._clones = clones
         self._n = num_workers
         self._is_chief = is_chief
@@ -116,6 +118,7 @@ class SyncPs:
         dense = [(g, v) for g, v in grads_and_vars if not isinstance(g, tf.IndexedSlices)]
         tokens, keep, sent = [], [], []
         self._rates = {}  # the learning rates read in this step (``_update_if_last``)
+        self._step_count = self._read_step_count()  # and the optimizer's step count (``_apply``)
         sparse = [(self._clip.slices(g), v) for g, v in sparse]
         factors, sums = self._clip.sparse_norm_factors(sparse)
         keep += sums
@@ -245,6 +248,26 @@ class SyncPs:
                 self._rates[rate.ref()] = rate.read_value()
         return self._rates[rate.ref()]
 
+    def _apply(self, clone, grad, variable):
+        """``clone`` applies ``grad`` to ``variable`` at the step of the optimizer Keras trains with: the clone's
+        own step count (Adam's bias correction, a schedule's step) is set to that optimizer's first. They differ
+        after a step Keras' ``LossScaleOptimizer`` skipped (an overflow under mixed precision): it counts the step
+        but updates nothing, so no clone applied one. The count lives on the worker and is read once per step,
+        before this step's increment, and crosses with the update as the learning rate does."""
+        if self._step_count is not None:
+            clone.iterations.assign(self._step_count)
+        clone.apply_gradients([(grad, variable)])
+
+    def _read_step_count(self):
+        """The step count of the optimizer Keras trains with, read on its device (None without one)."""
+        source = self._clones.learning_rate_source
+        if source is None:
+            return None
+        with tf.init_scope():
+            counter = source.iterations  # a legacy optimizer creates it at first use: not inside the traced step
+        with tf.device(counter.device):
+            return counter.read_value()
+
     def _apply_rows(self, variable, clone, factor=None):
         """The step's one update of ``variable`` by ``clone`` from the accumulated rows of its touched ids; its
         token."""
@@ -254,7 +277,7 @@ class SyncPs:
         if factor is not None:
             rows = clipping_lib.scaled(rows, factor)
         grad = tf.IndexedSlices(rows, ids, dense_shape=tf.constant(variable.shape.as_list(), tf.int64))
-        clone.apply_gradients([(grad, variable)])
+        self._apply(clone, grad, variable)
         # Automatic control dependencies order these reads and writes after the update of the same variables.
         check = tf.reduce_sum(variable.sparse_read(ids[:1]))
         zeroed = accumulator.scatter_update(tf.IndexedSlices(tf.zeros_like(rows), ids))
@@ -289,7 +312,7 @@ class SyncPs:
 
     def _apply_dense(self, variable, clone, grad):
         """Applies the aggregated ``grad`` with ``clone``, zeroes the accumulator; the update's token."""
-        clone.apply_gradients([(grad, variable)])
+        self._apply(clone, grad, variable)
         check = tf.reduce_sum(tf.reshape(variable.read_value(), [-1])[:1])
         zeroed = self._helper(variable, ACCUMULATOR).assign(tf.zeros_like(grad))
         return self._finish(variable, check, zeroed)

@@ -39,12 +39,6 @@ def resolve(optimizer):
                              f"tf.keras.optimizers instance. Received: optimizer={optimizer!r}.")
         optimizer = tf.keras.optimizers.get(optimizer)
     keras_compat.optimizer_family(optimizer)  # raises for anything that is not a tf.keras optimizer
-    if keras_compat.is_loss_scale_optimizer(optimizer):
-        raise ValueError(
-            "A LossScaleOptimizer passed to compile is not supported under HybridStrategy: the PS-side copies of it "
-            "would keep loss scales of their own. Received: "
-            f"{type(optimizer).__name__} wrapping {type(optimizer.inner_optimizer).__name__}. Pass the inner "
-            "optimizer with the 'mixed_float16' policy set: Keras wraps it at compile, which kparallax supports.")
     return optimizer
 
 
@@ -284,8 +278,7 @@ def wrap(optimizer, step):
     """
     base = type(optimizer)
     cls = type(base.__name__, (_RoutingMixin, base), {"__module__": base.__module__})
-    wrapped = cls.from_config(optimizer.get_config())
-    keras_compat.copy_weight_decay_exclusion(optimizer, wrapped)
+    wrapped = keras_compat.copy_optimizer(optimizer, cls)
     keras_compat.mark_owned(wrapped)
     wrapped._kp_step = step  # pylint: disable=protected-access
     return wrapped

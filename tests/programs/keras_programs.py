@@ -316,10 +316,14 @@ def keras_callbacks(scope, batch):
     return model
 
 
-def mixed_float16(scope, batch):
-    """The mixed_float16 policy (float16 compute, float32 variables, Keras' loss-scale optimizer)."""
-    ids, rng = _ids(10)
+def _fit_mixed_float16(scope, batch, seed, overflow=False):
+    """A table, a hidden layer and a float32 output trained with Adam under the mixed_float16 policy (float16
+    compute, float32 variables, Keras' loss-scale optimizer). With ``overflow``, the targets of the odd rows 33-63
+    (worker 1's whole second batch: arrays are sharded by stride) are 10^4. Returns (model, History)."""
+    ids, rng = _ids(seed)
     y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    if overflow:
+        y[33:64:2] = 1e4
     tf.keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         with scope():
@@ -328,11 +332,26 @@ def mixed_float16(scope, batch):
                                          tf.keras.layers.Dense(1, dtype="float32")])
             _init(model)
             model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="mse")
-            model.fit(ids, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+            history = model.fit(ids, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
     finally:
         tf.keras.mixed_precision.set_global_policy("float32")
-    return model
+    return model, history
 
+
+def mixed_float16(scope, batch):
+    """The mixed_float16 policy (float16 compute, float32 variables, Keras' loss-scale optimizer)."""
+    return _fit_mixed_float16(scope, batch, 10)[0]
+
+
+def mixed_float16_overflow(scope, batch):
+    """mixed_float16 where one worker's gradients overflow and the other's do not: worker 1's second batch has
+    targets of 10^4, so that step's float16 gradients are infinite at the loss scales Keras tries, in one process
+    and on worker 1. One process skips the step (and halves its loss scale); so must every worker. Adam: its step
+    count includes skipped steps. The final loss scale and step count are kept with the epoch losses."""
+    model, history = _fit_mixed_float16(scope, batch, 12, overflow=True)
+    model.logged = [np.array(history.history["loss"]),
+                    np.array([float(model.optimizer.loss_scale), float(model.optimizer.iterations)])]
+    return model
 
 def batch_normalization(scope, batch):
     """BatchNormalization on images (Keras' fused kernel), on a Dense layer's output, on a masked sequence of
@@ -1163,11 +1182,84 @@ def multi_output(scope, batch):
     return model
 
 
+class TokenAndPosition(tf.keras.layers.Layer):
+    """Keras' transformer examples' input layer: a token table (``mask_zero``) plus a position table read at
+    ``tf.range(length)``; the padding mask goes on."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.tokens = tf.keras.layers.Embedding(VOCAB, EMB, mask_zero=True)
+        self.positions = tf.keras.layers.Embedding(LEN, EMB)
+
+    def call(self, ids):
+        return self.tokens(ids) + self.positions(tf.range(tf.shape(ids)[-1]))
+
+    def compute_mask(self, ids, mask=None):
+        return self.tokens.compute_mask(ids)
+
+
+class DecoderBlock(tf.keras.layers.Layer):
+    """Keras' examples' transformer block with a causal self-attention: attention and a feed-forward net, each
+    with dropout, a residual and a LayerNormalization (dropout 0 here: one process's masks cannot be the
+    workers')."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_masking = True
+        self.attention = tf.keras.layers.MultiHeadAttention(num_heads=2, key_dim=EMB)
+        self.feed = tf.keras.Sequential([tf.keras.layers.Dense(8, activation="relu"), tf.keras.layers.Dense(EMB)])
+        self.norms = [tf.keras.layers.LayerNormalization(epsilon=1e-6) for _ in range(2)]
+        self.drops = [tf.keras.layers.Dropout(0.0) for _ in range(2)]
+
+    def call(self, x, training=False):
+        x = self.norms[0](x + self.drops[0](self.attention(x, x, use_causal_mask=True), training=training))
+        return self.norms[1](x + self.drops[1](self.feed(x), training=training))
+
+
+class WarmUp(tf.keras.optimizers.schedules.LearningRateSchedule):
+    """A user's schedule as TensorFlow's transformer tutorial writes one (constructor arguments, no
+    ``get_config``, not registered with Keras): a linear warm-up, then inverse square-root decay."""
+
+    def __init__(self, peak, warmup_steps):
+        super().__init__()
+        self.peak, self.warmup_steps = peak, warmup_steps
+
+    def __call__(self, step):
+        step = (tf.cast(step, tf.float32) + 1.0) / self.warmup_steps
+        return self.peak * tf.minimum(step, tf.math.rsqrt(step))
+
+
+def transformer_lm(scope, batch):
+    """A causal transformer language model as Keras' examples write one: token and position tables, a decoder
+    block (multi-head attention with a causal mask, LayerNormalization, a feed-forward net), next-token logits on
+    padded sequences whose padding is masked out of the loss and accuracy; AdamW with a user's warm-up schedule and
+    LayerNormalization and biases excluded from weight decay; a partial last batch; every epoch's logs kept."""
+    rng = np.random.default_rng(43)
+    lengths = rng.integers(2, LEN + 2, size=ROWS)
+    ids = np.zeros((ROWS, LEN + 1), np.int32)
+    for row, length in enumerate(lengths):
+        ids[row, :length] = np.minimum(rng.zipf(1.4, size=length), VOCAB - 1)
+    rows = ROWS - 10
+    data = tf.data.Dataset.from_tensor_slices((ids[:rows, :-1], ids[:rows, 1:]))
+    with scope():
+        inputs = tf.keras.Input((LEN,), dtype=tf.int32)
+        logits = tf.keras.layers.Dense(VOCAB)(DecoderBlock()(TokenAndPosition()(inputs)))
+        model = tf.keras.Model(inputs, logits)
+        _init(model)
+        optimizer = tf.keras.optimizers.AdamW(WarmUp(0.02, 4.0), weight_decay=0.05)
+        optimizer.exclude_from_weight_decay(var_names=["layer_normalization", "bias"])
+        model.compile(optimizer=optimizer, loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+        history = model.fit(data.batch(batch), epochs=2, verbose=0)
+    model.logged = [np.array(history.history[key]) for key in sorted(history.history)]
+    return model
+
+
 PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, mixed_float16_clipped,
                                     clipped_two_optimizers, ratio_metrics, custom_metric_classes, sparse_and_ragged_inputs,
                                     sequence_input, generator_input,
                                     summed_losses, scalar_loss_functions, scalar_metric_functions, added_loss_only,
-                                    unreduced_loss, batch_normalization, mixed_float16,
+                                    unreduced_loss, batch_normalization, mixed_float16, mixed_float16_overflow,
                                     dict_inputs_auc, tf_data_unknown_cardinality, weighted_samples,
                                     mask_zero_lstm_callbacks,
                                     custom_train_step, text_vectorization, lookup_layers, shared_layer, keras_callbacks,
@@ -1175,5 +1267,5 @@ PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, mixed
                                     masked_sequence_losses, own_loss_partial_batch, weighted_metrics_sample_weights,
                                     gru_conv1d_evaluate, stateful_lstm, run_eagerly_dense, two_optimizers,
                                     fine_tuning, own_compute_loss, own_embedding_layer,
-                                    added_metrics, tracked_train_step, multi_output,
+                                    added_metrics, tracked_train_step, multi_output, transformer_lm,
                                     train_on_batch_loop)}  # last: it seeds Keras' random generator
