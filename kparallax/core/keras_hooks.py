@@ -260,9 +260,9 @@ def _compile(model, *args, **kwargs):
     result = original(*bound.args, **bound.kwargs)
     if strategy.options.sync:
         global_losses.install(model)
-        if keras_compat.is_loss_scale_optimizer(model.optimizer):
-            keras_compat.skip_steps_together(model.optimizer, functools.partial(
-                collectives.any_worker_in_graph, num_workers=strategy.num_workers, name="kp_loss_scale_overflow"))
+    if keras_compat.is_loss_scale_optimizer(model.optimizer):  # also async: replicated gradients are allreduced
+        keras_compat.skip_steps_together(model.optimizer, functools.partial(
+            collectives.any_worker_in_graph, num_workers=strategy.num_workers, name="kp_loss_scale_overflow"))
     return result
 
 
