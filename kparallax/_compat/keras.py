@@ -31,6 +31,8 @@ Layer = tf.keras.layers.Layer
 Embedding = tf.keras.layers.Embedding
 NewOptimizer = tf.keras.optimizers.Optimizer
 LegacyOptimizer = tf.keras.optimizers.legacy.Optimizer
+# The batch size Keras' fit, evaluate and predict use for arrays when given none.
+DEFAULT_BATCH_SIZE = 32
 
 
 def optimizer_family(optimizer):

@@ -137,6 +137,12 @@ def is_dataset(x):
     return isinstance(x, tf.data.Dataset)
 
 
+def is_arrays(x):
+    """Whether ``x`` (an input or ``validation_data``) is arrays or tensors that Keras batches by a batch size: given,
+    and not a dataset, Sequence or generator, which bring their own batches."""
+    return x is not None and not (is_dataset(x) or is_sequence(x) or is_generator(x))
+
+
 def check_supported(x):
     if (x is None or is_dataset(x) or is_sequence(x) or is_generator(x) or hasattr(x, "shape")
             or isinstance(x, (list, tuple, dict))):

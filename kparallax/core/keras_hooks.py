@@ -19,7 +19,8 @@ Under a strategy:
     does.
   * ``get_weights``/``set_weights`` present a partitioned table whole; only worker 0 writes PS variables.
   * ``evaluate`` / ``predict`` (and ``fit``'s validation) run on the full input on every worker, so their
-    results are exact and identical everywhere; only worker 0 prints.
+    results are exact and identical everywhere; only worker 0 prints. Validation arrays are batched by the global
+    batch unless ``validation_batch_size`` is given, as one process's ``fit`` batches them.
 """
 
 import contextlib
@@ -472,6 +473,10 @@ def _fit(original, model, *args, **kwargs):
             arrays, a["validation_data"] = keras_compat.train_validation_split(arrays, a["validation_split"])
             a["validation_split"] = 0.0
         a["x"], a["y"], a["sample_weight"] = data_lib.shard_arrays(arrays, n, index)
+        if a["validation_batch_size"] is None and data_lib.is_arrays(a["validation_data"]):
+            # Validation runs the full arrays on every worker; one process's fit validates in batches of its
+            # batch_size, which is the global batch here (a loss summed over the batch, a masked mean, depend on it).
+            a["validation_batch_size"] = n * (a["batch_size"] or keras_compat.DEFAULT_BATCH_SIZE)
     ours = [fit_callbacks.SyncReplicatedVariables(strategy), fit_callbacks.AverageMetrics(strategy)]
     if strategy.partitioned_tables and not strategy.partition_search["done"]:
         ours.insert(1, partition_search.PartitionSearch(strategy))

@@ -993,6 +993,46 @@ def gru_conv1d_evaluate(scope, batch):
     return model
 
 
+def seq2seq_gru(scope, batch):
+    """Keras' translation example's encoder-decoder: two mask_zero tables, a GRU encoder whose state starts the GRU
+    decoder (initial_state), a softmax over the vocabulary at every step, padding masked out of the loss and
+    accuracy, validation_split (a masked mean per batch: one process's validation batches are the global batch)."""
+    source, rng = _ids(8)
+    target = np.minimum(rng.zipf(1.5, size=(ROWS, LEN + 1)) - 1, VOCAB - 1).astype(np.int32)
+    with scope():
+        encoder_inputs = tf.keras.Input((None,), dtype="int64", name="encoder_inputs")
+        embedded = tf.keras.layers.Embedding(VOCAB, EMB, mask_zero=True)(encoder_inputs)
+        _, state = tf.keras.layers.GRU(4, return_state=True)(embedded)
+        decoder_inputs = tf.keras.Input((None,), dtype="int64", name="decoder_inputs")
+        embedded = tf.keras.layers.Embedding(VOCAB, EMB, mask_zero=True)(decoder_inputs)
+        decoded = tf.keras.layers.GRU(4, return_sequences=True)(embedded, initial_state=state)
+        model = tf.keras.Model([encoder_inputs, decoder_inputs],
+                               tf.keras.layers.Dense(VOCAB, activation="softmax")(decoded))
+        _init(model)
+        model.compile(optimizer="rmsprop", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+        history = model.fit([source, target[:, :-1]], target[:, 1:], batch_size=batch, epochs=3, shuffle=False,
+                            verbose=0, validation_split=0.25)
+    model.logged = [np.array([history.history[key] for key in sorted(history.history)])]
+    return model
+
+
+def validation_summed_loss(scope, batch):
+    """A loss summed over the batch (reduction "sum") with validation_data arrays: the validation loss is a mean of
+    per-batch sums, so it depends on the validation batch size, which is one process's batch_size by default."""
+    ids, rng = _ids(14)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    with scope():
+        model = tf.keras.Sequential([tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB),
+                                     tf.keras.layers.GlobalAveragePooling1D(), tf.keras.layers.Dense(1)])
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.001),
+                      loss=tf.keras.losses.MeanSquaredError(reduction="sum"), metrics=["mae"])
+        history = model.fit(ids[:96], y[:96], batch_size=batch, epochs=2, shuffle=False, verbose=0,
+                            validation_data=(ids[96:], y[96:]))
+    model.logged = [np.array([history.history[key] for key in sorted(history.history)])]
+    return model
+
+
 def stateful_lstm(scope, batch):
     """A stateful LSTM (fixed batch size; its state carries over from batch to batch within each epoch)."""
     ids, rng = _ids(33)
@@ -1265,7 +1305,8 @@ PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, mixed
                                     custom_train_step, text_vectorization, lookup_layers, shared_layer, keras_callbacks,
                                     tf_data_known_cardinality, backup_and_restore_resume, partial_last_batch,
                                     masked_sequence_losses, own_loss_partial_batch, weighted_metrics_sample_weights,
-                                    gru_conv1d_evaluate, stateful_lstm, run_eagerly_dense, two_optimizers,
+                                    gru_conv1d_evaluate, seq2seq_gru, validation_summed_loss, stateful_lstm,
+                                    run_eagerly_dense, two_optimizers,
                                     fine_tuning, own_compute_loss, own_embedding_layer,
                                     added_metrics, tracked_train_step, multi_output, transformer_lm,
                                     train_on_batch_loop)}  # last: it seeds Keras' random generator
