@@ -39,6 +39,26 @@ def test_dataset_shards_whole_batches_and_equal_steps():
     assert [int(b[0]) for b in shards[1]] == [1, 3, 5]
 
 
+def test_a_dataset_sharded_per_worker_by_the_user_is_refused_unless_marked():
+    # Horovod's pattern: each worker shards its dataset itself; fit sharding it again would keep 1/N of each part.
+    files = tf.data.Dataset.from_tensor_slices(["a", "b", "c", "d"])
+    for ds in (tf.data.Dataset.range(40).shard(2, 1).batch(4).prefetch(1),
+               files.shard(2, 0).interleave(lambda f: tf.data.Dataset.from_tensors(f).repeat(3)).batch(2),
+               tf.data.Dataset.zip((tf.data.Dataset.range(8), tf.data.Dataset.range(16).shard(2, 1))).batch(2)):
+        with pytest.raises(ValueError, match=r"already split into 2 shards.*Received: a dataset with "
+                                             r"shard\(num_shards=2, index=[01]\).*per_worker"):
+            data.shard_dataset(ds, 2, 0)
+        assert not data.is_per_worker(ds)
+        assert data.is_per_worker(data.per_worker(ds))
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+        assert data.is_per_worker(ds.with_options(options))  # tf.distribute's way of saying "sharded already"
+    # A shard into another number of parts (a subsample) is the user's data; fit shards it by batches as usual.
+    subsample = tf.data.Dataset.range(24).shard(3, 0).batch(2)
+    assert [list(b) for b in data.shard_dataset(subsample, 2, 1).as_numpy_iterator()] == [[6, 9], [18, 21]]
+    assert len(list(data.shard_dataset(tf.data.Dataset.range(8).shard(2, 0).batch(2), 1, 0))) == 2
+
+
 def test_batches_may_differ_in_size_only_for_datasets_without_a_fixed_batch_dimension():
     rows = {"ids": np.zeros((10, 3), np.int32), "w": np.ones(10, np.float32)}
     assert not data.may_be_uneven(rows)  # sharded arrays: equal batches on every worker

@@ -205,3 +205,30 @@ def copy_op(op, inputs):
             op.type, list(inputs), dtypes=[t.dtype for t in op.outputs], attrs=attrs,
             name=op.name.split("/")[-1])
     return list(copied.outputs)
+
+
+def dataset_shards(dataset):
+    """``(num_shards, index)`` of every ``Dataset.shard`` in the chain of datasets ``dataset`` is built from (their
+    static values, None where not known), outermost first.
+
+    Walks tf.data's private links between datasets: ``DatasetV2._inputs()`` and ``_ShardDataset``'s ``_num_shards``
+    and ``_index`` (TF 2.15). Functions of ``interleave`` / ``flat_map`` are not entered: a shard inside them is not
+    found."""
+    found, pending, seen = [], [dataset], set()
+    while pending:
+        current = pending.pop(0)
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if type(current).__name__ == "_ShardDataset":
+            found.append((_static_int(current._num_shards), _static_int(current._index)))  # pylint: disable=protected-access
+        try:
+            pending.extend(current._inputs())  # pylint: disable=protected-access
+        except NotImplementedError:
+            pass
+    return found
+
+
+def _static_int(tensor):
+    value = tf.get_static_value(tensor)
+    return None if value is None else int(value)

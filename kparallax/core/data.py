@@ -14,11 +14,15 @@ A ``keras.utils.Sequence`` is split by whole batches too (batches ``i, i+N, ...`
 worker loads its own batches only), a Python generator by drawing every batch and keeping batches ``i, i+N, ...``
 (it needs ``steps_per_epoch``, as a dataset of unknown length does).
 
-A dataset that each worker already reads its own part of (say, its own files) is marked with ``per_worker``;
-``fit`` then uses it as is, after checking that every worker runs the same number of steps per epoch.
+A dataset that each worker already reads its own part of (say, its own files) is marked with ``per_worker``, or
+with tf.distribute's ``AutoShardPolicy.OFF`` in its options; ``fit`` then uses it as is, after checking that every
+worker runs the same number of steps per epoch. A dataset sharded per worker with ``Dataset.shard(N, ...)`` and not
+marked is refused (``fit`` would shard it again: each worker would train on 1/N of its part).
 """
 
 import tensorflow as tf
+
+from kparallax._compat import tf as tf_compat
 
 
 def _rows(a):
@@ -55,6 +59,7 @@ def _stride(a, index, usable, num_workers):
 
 def shard_dataset(dataset, num_workers, index, steps_per_epoch=None):
     """Shards a batched dataset by whole batches so every worker runs the same number of steps."""
+    _check_not_sharded_per_worker(dataset, num_workers)
     cardinality = int(dataset.cardinality())
     if cardinality == tf.data.UNKNOWN_CARDINALITY and steps_per_epoch is None:
         raise ValueError(
@@ -168,7 +173,27 @@ def per_worker(dataset):
 
 
 def is_per_worker(x):
-    return is_dataset(x) and getattr(x, _PER_WORKER, False)
+    """A dataset marked with ``per_worker``, or whose options turn tf.distribute's auto-sharding off."""
+    if not is_dataset(x):
+        return False
+    policy = x.options().experimental_distribute.auto_shard_policy
+    return getattr(x, _PER_WORKER, False) or policy == tf.data.experimental.AutoShardPolicy.OFF
+
+
+def _check_not_sharded_per_worker(dataset, num_workers):
+    """Refuses a dataset already sharded into ``num_workers`` parts (Horovod's ``dataset.shard(hvd.size(),
+    hvd.rank())``): sharding it again would give each worker 1/N of its part, silently."""
+    if num_workers < 2:
+        return
+    for shards, index in tf_compat.dataset_shards(dataset):
+        if shards == num_workers:
+            raise ValueError(
+                f"The dataset is already split into {num_workers} shards, one per worker (Dataset.shard), and fit "
+                f"shards a dataset itself (worker i keeps batches i, i+N, ...): each worker would train on "
+                f"1/{num_workers} of its shard. Received: a dataset with shard(num_shards={shards}, index={index}). "
+                "Remove the shard, or keep it and mark the dataset with kparallax.data.per_worker(dataset) (or "
+                "tf.data.Options().experimental_distribute.auto_shard_policy = AutoShardPolicy.OFF) so fit uses it "
+                "as it is.")
 
 
 def local_steps(dataset, steps_per_epoch):

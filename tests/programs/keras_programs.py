@@ -772,6 +772,27 @@ def partial_last_batch(scope, batch):
     return model
 
 
+def self_sharded_dataset(scope, batch):
+    """A dataset each worker shards itself (Horovod's dataset.shard(size, rank), RANK of RUN_WORKERS here; one
+    process keeps it whole) with tf.distribute's auto-sharding turned off in its options, so fit uses it as it is:
+    worker i keeps rows i, i+N, ..., and each step's batches make one process's global batch (118 rows: 16 + 16 rows
+    per step, 11 + 11 in the last). Adam, a table; every epoch's logs are kept."""
+    ids, rng = _ids(19)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    rows = ROWS - 10
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    data = tf.data.Dataset.from_tensor_slices((ids[:rows], y[:rows])).shard(RUN_WORKERS, RANK)
+    with scope():
+        model = tf.keras.Sequential([tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB),
+                                     tf.keras.layers.GlobalAveragePooling1D(), tf.keras.layers.Dense(1)])
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="mse", metrics=["mae"])
+        history = model.fit(data.batch(batch).with_options(options), epochs=2, verbose=0)
+    model.logged = [np.array([history.history[key] for key in sorted(history.history)])]
+    return model
+
+
 class OwnLossStep(tf.keras.Model):
     """A subclassed model whose own train_step computes its loss (no compiled loss): a mean squared error plus the
     model's losses (an activity regularizer's), through BatchNormalization on images (Keras' fused kernel) and on a
@@ -1304,6 +1325,7 @@ PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, mixed
                                     mask_zero_lstm_callbacks,
                                     custom_train_step, text_vectorization, lookup_layers, shared_layer, keras_callbacks,
                                     tf_data_known_cardinality, backup_and_restore_resume, partial_last_batch,
+                                    self_sharded_dataset,
                                     masked_sequence_losses, own_loss_partial_batch, weighted_metrics_sample_weights,
                                     gru_conv1d_evaluate, seq2seq_gru, validation_summed_loss, stateful_lstm,
                                     run_eagerly_dense, two_optimizers,
