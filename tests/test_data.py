@@ -59,6 +59,26 @@ def test_a_dataset_sharded_per_worker_by_the_user_is_refused_unless_marked():
     assert len(list(data.shard_dataset(tf.data.Dataset.range(8).shard(2, 0).batch(2), 1, 0))) == 2
 
 
+def test_a_dataset_shuffled_without_a_seed_is_refused_and_a_seeded_one_is_split_into_one_order():
+    tf.random.set_seed(None)  # no global seed (another test may have set one)
+    unseeded = tf.data.Dataset.range(40).shuffle(40).batch(4).prefetch(1)
+    with pytest.raises(ValueError, match=r"shuffled without a seed.*Received: a dataset with shuffle\(seed=None\)"):
+        data.shard_dataset(unseeded, 2, 0)
+    assert len(list(data.shard_dataset(unseeded, 1, 0))) == 10  # one worker: any order is one process's
+    assert data.is_per_worker(data.per_worker(tf.data.Dataset.range(40).shuffle(40).batch(4)))
+    # Seeded, by the shuffle or by the global seed: each worker (its own process, here its own dataset built after
+    # the same global seed) draws one order, and the split partitions it.
+    for seed, global_seed in ((3, None), (None, 7)):
+        rows = []
+        for worker in range(2):
+            tf.random.set_seed(global_seed)
+            seeded = tf.data.Dataset.range(40).shuffle(40, seed=seed).batch(4)
+            rows.append(np.concatenate(list(data.shard_dataset(seeded, 2, worker).as_numpy_iterator())))
+        assert sorted(np.concatenate(rows).tolist()) == list(range(40))
+        assert rows[0].tolist() != sorted(rows[0].tolist())  # shuffled
+    tf.random.set_seed(None)
+
+
 def test_batches_may_differ_in_size_only_for_datasets_without_a_fixed_batch_dimension():
     rows = {"ids": np.zeros((10, 3), np.int32), "w": np.ones(10, np.float32)}
     assert not data.may_be_uneven(rows)  # sharded arrays: equal batches on every worker

@@ -207,26 +207,39 @@ def copy_op(op, inputs):
     return list(copied.outputs)
 
 
-def dataset_shards(dataset):
-    """``(num_shards, index)`` of every ``Dataset.shard`` in the chain of datasets ``dataset`` is built from (their
-    static values, None where not known), outermost first.
 
-    Walks tf.data's private links between datasets: ``DatasetV2._inputs()`` and ``_ShardDataset``'s ``_num_shards``
-    and ``_index`` (TF 2.15). Functions of ``interleave`` / ``flat_map`` are not entered: a shard inside them is not
-    found."""
-    found, pending, seen = [], [dataset], set()
+def dataset_chain(dataset):
+    """The datasets ``dataset`` is built from, itself first, through tf.data's private links between datasets
+    (``DatasetV2._inputs()``, TF 2.15). Functions of ``interleave`` / ``flat_map`` are not entered."""
+    chain, pending, seen = [], [dataset], set()
     while pending:
         current = pending.pop(0)
         if id(current) in seen:
             continue
         seen.add(id(current))
-        if type(current).__name__ == "_ShardDataset":
-            found.append((_static_int(current._num_shards), _static_int(current._index)))  # pylint: disable=protected-access
+        chain.append(current)
         try:
             pending.extend(current._inputs())  # pylint: disable=protected-access
         except NotImplementedError:
             pass
-    return found
+    return chain
+
+
+def shard_of(dataset):
+    """``(num_shards, index)`` of a ``Dataset.shard`` dataset (static values, None where not known), else None.
+    Reads ``_ShardDataset``'s ``_num_shards`` and ``_index`` (TF 2.15)."""
+    if type(dataset).__name__ != "_ShardDataset":
+        return None
+    return _static_int(dataset._num_shards), _static_int(dataset._index)  # pylint: disable=protected-access
+
+
+def is_unseeded_shuffle(dataset):
+    """Whether ``dataset`` is a ``Dataset.shuffle`` given no seed while no global seed was set: both of its seeds are
+    0, which makes TensorFlow draw a new random order in every process. Reads ``_ShuffleDataset``'s ``_seed`` and
+    ``_seed2`` (TF 2.15)."""
+    if type(dataset).__name__ != "_ShuffleDataset":
+        return False
+    return _static_int(dataset._seed) == 0 and _static_int(dataset._seed2) == 0  # pylint: disable=protected-access
 
 
 def _static_int(tensor):

@@ -17,7 +17,8 @@ worker loads its own batches only), a Python generator by drawing every batch an
 A dataset that each worker already reads its own part of (say, its own files) is marked with ``per_worker``, or
 with tf.distribute's ``AutoShardPolicy.OFF`` in its options; ``fit`` then uses it as is, after checking that every
 worker runs the same number of steps per epoch. A dataset sharded per worker with ``Dataset.shard(N, ...)`` and not
-marked is refused (``fit`` would shard it again: each worker would train on 1/N of its part).
+marked is refused (``fit`` would shard it again: each worker would train on 1/N of its part), and so is a dataset
+shuffled without a seed (each worker would split its own order: their batches would overlap).
 """
 
 import tensorflow as tf
@@ -59,7 +60,7 @@ def _stride(a, index, usable, num_workers):
 
 def shard_dataset(dataset, num_workers, index, steps_per_epoch=None):
     """Shards a batched dataset by whole batches so every worker runs the same number of steps."""
-    _check_not_sharded_per_worker(dataset, num_workers)
+    _check_shardable(dataset, num_workers)
     cardinality = int(dataset.cardinality())
     if cardinality == tf.data.UNKNOWN_CARDINALITY and steps_per_epoch is None:
         raise ValueError(
@@ -180,20 +181,32 @@ def is_per_worker(x):
     return getattr(x, _PER_WORKER, False) or policy == tf.data.experimental.AutoShardPolicy.OFF
 
 
-def _check_not_sharded_per_worker(dataset, num_workers):
-    """Refuses a dataset already sharded into ``num_workers`` parts (Horovod's ``dataset.shard(hvd.size(),
-    hvd.rank())``): sharding it again would give each worker 1/N of its part, silently."""
+def _check_shardable(dataset, num_workers):
+    """Refuses a dataset that splitting by whole batches would not split into the workers' parts of one order: one
+    already sharded into ``num_workers`` parts (Horovod's ``dataset.shard(hvd.size(), hvd.rank())``: each worker
+    would keep 1/N of its part), or one shuffled without a seed (each worker would draw its own order, so their
+    batches would overlap: an epoch would train on some rows twice and miss others)."""
     if num_workers < 2:
         return
-    for shards, index in tf_compat.dataset_shards(dataset):
-        if shards == num_workers:
+    chain = tf_compat.dataset_chain(dataset)
+    for part in chain:
+        shard = tf_compat.shard_of(part)
+        if shard is not None and shard[0] == num_workers:
             raise ValueError(
                 f"The dataset is already split into {num_workers} shards, one per worker (Dataset.shard), and fit "
                 f"shards a dataset itself (worker i keeps batches i, i+N, ...): each worker would train on "
-                f"1/{num_workers} of its shard. Received: a dataset with shard(num_shards={shards}, index={index}). "
-                "Remove the shard, or keep it and mark the dataset with kparallax.data.per_worker(dataset) (or "
-                "tf.data.Options().experimental_distribute.auto_shard_policy = AutoShardPolicy.OFF) so fit uses it "
-                "as it is.")
+                f"1/{num_workers} of its shard. Received: a dataset with shard(num_shards={shard[0]}, "
+                f"index={shard[1]}). Remove the shard, or keep it and mark the dataset with "
+                "kparallax.data.per_worker(dataset) (or tf.data.Options().experimental_distribute.auto_shard_policy "
+                "= AutoShardPolicy.OFF) so fit uses it as it is.")
+    if any(tf_compat.is_unseeded_shuffle(part) for part in chain):
+        raise ValueError(
+            "The dataset is shuffled without a seed, so each worker draws its own order, and fit splits it by whole "
+            "batches (worker i keeps batches i, i+N, ...): the workers' batches would overlap, and an epoch would "
+            "train on some rows twice and miss others. Received: a dataset with shuffle(seed=None) and no global "
+            "seed. Give the shuffle a seed, the same on every worker (dataset.shuffle(n, seed=s), or "
+            "tf.keras.utils.set_random_seed(s) before the dataset is built), or shard the dataset yourself before "
+            "shuffling and mark it kparallax.data.per_worker(dataset).")
 
 
 def local_steps(dataset, steps_per_epoch):
