@@ -1,3 +1,5 @@
+import logging
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -32,11 +34,38 @@ def test_sparse_and_ragged_inputs_are_sharded_by_rows_like_dense_ones():
         assert ragged_part.to_list() == [[r] * (r % 3) for r in range(worker, 6, 3)]
 
 
+def _warnings_of(action):
+    """The kparallax log records ``action()`` emits."""
+    records, handler = [], logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("kparallax").addHandler(handler)
+    try:
+        action()
+    finally:
+        logging.getLogger("kparallax").removeHandler(handler)
+    return [r.getMessage() for r in records if r.levelno == logging.WARNING]
+
+
 def test_dataset_shards_whole_batches_and_equal_steps():
     ds = tf.data.Dataset.range(7).batch(1)
     shards = [list(data.shard_dataset(ds, 2, i).as_numpy_iterator()) for i in range(2)]
     assert [len(s) for s in shards] == [3, 3]
     assert [int(b[0]) for b in shards[1]] == [1, 3, 5]
+
+
+def test_data_left_out_to_give_every_worker_the_same_steps_is_named_by_worker_0():
+    rows = (np.zeros((7, 2)), np.zeros(7))
+    assert _warnings_of(lambda: data.shard_arrays(rows, 2, 0)) == [
+        "fit trains on 6 of the 7 rows in each epoch: the row count is cut to a multiple of the 2 workers (each worker "
+        "gets as many rows), so the last 1 row(s), which one process would train on, are left out. Give a row count "
+        "that is a multiple of 2 to train on every row."]
+    assert _warnings_of(lambda: data.shard_arrays(rows, 2, 1)) == []  # worker 0 says it, once
+    assert _warnings_of(lambda: data.shard_arrays(rows, 7, 0)) == []
+    [message] = _warnings_of(lambda: data.shard_dataset(tf.data.Dataset.range(7).batch(1), 3, 0))
+    assert message.startswith("fit trains on 6 of the dataset's 7 batches in each epoch")
+    assert _warnings_of(lambda: data.shard_dataset(tf.data.Dataset.range(6).batch(1), 3, 0)) == []
+    [message] = _warnings_of(lambda: data.shard_sequence(_Rows(np.arange(10), 2), 4, 0))
+    assert message.startswith("fit trains on 4 of the Sequence's 5 batches in each epoch")
 
 
 def test_a_dataset_sharded_per_worker_by_the_user_is_refused_unless_marked():

@@ -23,6 +23,7 @@ shuffled without a seed (each worker would split its own order: their batches wo
 
 import tensorflow as tf
 
+from kparallax import log as logging
 from kparallax._compat import tf as tf_compat
 
 
@@ -44,6 +45,11 @@ def shard_arrays(structure, num_workers, index):
     if usable == 0:
         raise ValueError(f"The training data has {n} row(s), fewer than the {num_workers} workers; each worker "
                          f"needs at least one. Received: {n} rows.")
+    if index == 0 and usable < n:
+        logging.warning("fit trains on %d of the %d rows in each epoch: the row count is cut to a multiple of the %d "
+                        "workers (each worker gets as many rows), so the last %d row(s), which one process would "
+                        "train on, are left out. Give a row count that is a multiple of %d to train on every row.",
+                        usable, n, num_workers, n - usable, num_workers)
     return tf.nest.map_structure(lambda a: None if a is None else _stride(a, index, usable, num_workers), structure)
 
 
@@ -72,6 +78,8 @@ def shard_dataset(dataset, num_workers, index, steps_per_epoch=None):
         if usable == 0:
             raise ValueError(f"The dataset has {cardinality} batch(es), fewer than the {num_workers} workers. "
                              f"Use a smaller batch size or more data. Received: {cardinality} batches.")
+        if index == 0 and usable < cardinality:
+            _warn_batches_left_out("dataset", usable, cardinality, num_workers)
         dataset = dataset.take(usable)
     return dataset.shard(num_workers, index)
 
@@ -103,7 +111,17 @@ def shard_sequence(sequence, num_workers, index):
     if batches < num_workers:
         raise ValueError(f"The Sequence has {batches} batch(es), fewer than the {num_workers} workers. Use a smaller "
                          f"batch size or more data. Received: len(sequence)={batches}.")
+    if index == 0 and batches % num_workers:
+        _warn_batches_left_out("Sequence", batches - batches % num_workers, batches, num_workers)
     return _SequenceShard(sequence, num_workers, index)
+
+
+def _warn_batches_left_out(kind, usable, batches, num_workers):
+    logging.warning("fit trains on %d of the %s's %d batches in each epoch: every worker runs the same number of "
+                    "steps, so the batch count is cut to a multiple of the %d workers, and the last %d batch(es), "
+                    "which one process would train on, are left out. Give a batch count that is a multiple of %d "
+                    "(another batch size), or repeat the data and give steps_per_epoch, to train on every row.",
+                    usable, kind, batches, num_workers, batches - usable, num_workers)
 
 
 def shard_generator(generator, num_workers, index, steps_per_epoch):
