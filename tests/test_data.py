@@ -24,6 +24,26 @@ def test_shards_are_equal_length_and_structures_are_kept():
     assert parts[0][2] is None
 
 
+def test_with_a_batch_size_the_last_partial_global_batch_is_shared_by_the_workers():
+    """Per-worker batches of B: step k's batches are one process's step k with batches of N*B, the partial last one
+    included (23 rows, N=2, B=4: 8 + 8 + 7 rows; the workers' last batches are 4 and 3 rows), unless it has fewer
+    rows than workers (25 rows: its 1 row is left out, with a warning)."""
+    x = np.arange(23)
+    shards = [data.shard_arrays((x, x * 2), 2, i, batch_size=4) for i in range(2)]
+    assert data.arrays_uneven((x, x * 2), 2, 4) and [len(s[0]) for s in shards] == [12, 11]
+    for step in range(3):
+        union = np.concatenate([s[0][step * 4:(step + 1) * 4] for s in shards])
+        np.testing.assert_array_equal(np.sort(union), np.arange(step * 8, min(step * 8 + 8, 23)))
+    np.testing.assert_array_equal(shards[1][1], shards[1][0] * 2)
+    assert [len(data.shard_arrays(np.arange(25), 2, i, batch_size=4)) for i in range(2)] == [12, 12]
+    assert not data.arrays_uneven(np.arange(25), 2, 4) and not data.arrays_uneven(np.arange(24), 2, 4)
+    [message] = _warnings_of(lambda: data.shard_arrays(np.arange(25), 2, 0, batch_size=4))
+    assert message.startswith("fit trains on 24 of the 25 rows in each epoch: the last 1 row(s), which one process "
+                              "would train on, are left out: with the global batch of 8 rows they would make a last "
+                              "step of fewer rows than the 2 workers.")
+    assert _warnings_of(lambda: data.shard_arrays(x, 2, 0, batch_size=4)) == []
+
+
 def test_sparse_and_ragged_inputs_are_sharded_by_rows_like_dense_ones():
     dense = np.array([[0, 1, 0], [2, 0, 0], [0, 0, 3], [4, 5, 0], [0, 0, 0], [6, 0, 7], [8, 0, 0]], np.float32)
     ragged = tf.ragged.constant([[r] * (r % 3) for r in range(7)])
@@ -32,6 +52,12 @@ def test_sparse_and_ragged_inputs_are_sharded_by_rows_like_dense_ones():
         assert isinstance(sparse, tf.SparseTensor)
         np.testing.assert_array_equal(tf.sparse.to_dense(sparse).numpy(), expected)
         assert ragged_part.to_list() == [[r] * (r % 3) for r in range(worker, 6, 3)]
+        # With a batch size of 3, all 7 rows are kept (3 + 2 + 2): the sparse shard has its own row count.
+        sparse, ragged_part, expected = data.shard_arrays((tf.sparse.from_dense(dense), ragged, dense), 3, worker,
+                                                          batch_size=3)
+        assert len(expected) == (3 if worker == 0 else 2)
+        np.testing.assert_array_equal(tf.sparse.to_dense(sparse).numpy(), expected)
+        assert ragged_part.to_list() == [[r] * (r % 3) for r in range(worker, 7, 3)]
 
 
 def _warnings_of(action):
@@ -56,9 +82,9 @@ def test_dataset_shards_whole_batches_and_equal_steps():
 def test_data_left_out_to_give_every_worker_the_same_steps_is_named_by_worker_0():
     rows = (np.zeros((7, 2)), np.zeros(7))
     assert _warnings_of(lambda: data.shard_arrays(rows, 2, 0)) == [
-        "fit trains on 6 of the 7 rows in each epoch: the row count is cut to a multiple of the 2 workers (each worker "
-        "gets as many rows), so the last 1 row(s), which one process would train on, are left out. Give a row count "
-        "that is a multiple of 2 to train on every row."]
+        "fit trains on 6 of the 7 rows in each epoch: the last 1 row(s), which one process would train on, are left "
+        "out: the row count is cut to a multiple of the 2 workers (steps_per_epoch is given). Give a row count "
+        "without such a remainder to train on every row."]
     assert _warnings_of(lambda: data.shard_arrays(rows, 2, 1)) == []  # worker 0 says it, once
     assert _warnings_of(lambda: data.shard_arrays(rows, 7, 0)) == []
     [message] = _warnings_of(lambda: data.shard_dataset(tf.data.Dataset.range(7).batch(1), 3, 0))

@@ -1,10 +1,10 @@
 """How each worker reads its own shard of the training data.
 
 Arrays (``x``, ``y``, ``sample_weight``: NumPy arrays, tensors, ``tf.SparseTensor`` and ``tf.RaggedTensor`` inputs,
-or lists/dicts of them) are split by striding: worker ``i`` of ``N`` keeps rows ``i, i+N, i+2N, ...`` after the row
-count is cut to a multiple of ``N``. With ``shuffle=False`` and per-worker ``batch_size=B``, step ``k`` then trains
-on exactly the rows ``[k*N*B, (k+1)*N*B)`` of the original arrays: the global batch a single process would see
-with ``batch_size=N*B``.
+or lists/dicts of them) are split by striding: worker ``i`` of ``N`` keeps rows ``i, i+N, i+2N, ...``. With
+``shuffle=False`` and per-worker ``batch_size=B``, step ``k`` then trains on exactly the rows ``[k*N*B, (k+1)*N*B)``
+of the original arrays: the global batch a single process would see with ``batch_size=N*B``, the partial last one
+included (the workers' last batches then differ by at most a row), unless it has fewer rows than workers.
 
 A ``tf.data.Dataset`` (already batched, as Keras expects) is split by whole batches: worker ``i`` keeps batches
 ``i, i+N, ...`` (``Dataset.shard``), after the batch count is cut to a multiple of ``N`` so that every worker runs
@@ -31,25 +31,54 @@ def _rows(a):
     return int(a.shape[0])
 
 
-def shard_arrays(structure, num_workers, index):
-    """Strided shard of every array in ``structure`` (None entries stay None)."""
-    flat = [a for a in tf.nest.flatten(structure) if a is not None]
-    if not flat:
-        return structure
-    counts = {_rows(a) for a in flat}
-    if len(counts) != 1:
+def _row_count(structure):
+    """The row count of every array in ``structure`` (None for no arrays); they must agree."""
+    counts = {_rows(a) for a in tf.nest.flatten(structure) if a is not None}
+    if len(counts) > 1:
         raise ValueError(f"All training arrays need the same number of rows to be sharded. Received row counts "
                          f"{sorted(counts)}.")
-    n = counts.pop()
-    usable = n - n % num_workers
+    return counts.pop() if counts else None
+
+
+def _kept_rows(rows, num_workers, batch_size):
+    """How many of ``rows`` the split keeps: all when every worker has a row in every step, that is when the last
+    global batch (of ``num_workers * batch_size`` rows) is full or has at least ``num_workers`` rows; otherwise that
+    last batch's rows are left out. Without a ``batch_size`` (``steps_per_epoch`` given), a multiple of the workers."""
+    if batch_size is None:
+        return rows - rows % num_workers
+    last = rows % (num_workers * batch_size)
+    return rows - last if 0 < last < num_workers else rows
+
+
+def arrays_uneven(structure, num_workers, batch_size):
+    """Whether the workers' last batches of sharded arrays differ in size (their shards differ by a row)."""
+    rows = _row_count(structure)
+    return rows is not None and _kept_rows(rows, num_workers, batch_size) % num_workers != 0
+
+
+def shard_arrays(structure, num_workers, index, batch_size=None):
+    """Strided shard of every array in ``structure`` (None entries stay None): rows ``index, index + N, ...``.
+
+    With the per-worker ``batch_size``, step k's batches are the rows of one process's step k with batches of
+    ``N * batch_size``, its last, partial batch included (the workers' last batches may then differ by a row),
+    unless that batch has fewer rows than workers: then it is left out, with a warning from worker 0. Without one,
+    the row count is cut to a multiple of N."""
+    n = _row_count(structure)
+    if n is None:
+        return structure
+    usable = _kept_rows(n, num_workers, batch_size)
     if usable == 0:
         raise ValueError(f"The training data has {n} row(s), fewer than the {num_workers} workers; each worker "
                          f"needs at least one. Received: {n} rows.")
     if index == 0 and usable < n:
-        logging.warning("fit trains on %d of the %d rows in each epoch: the row count is cut to a multiple of the %d "
-                        "workers (each worker gets as many rows), so the last %d row(s), which one process would "
-                        "train on, are left out. Give a row count that is a multiple of %d to train on every row.",
-                        usable, n, num_workers, n - usable, num_workers)
+        if batch_size is None:
+            why = f"the row count is cut to a multiple of the {num_workers} workers (steps_per_epoch is given)"
+        else:
+            why = (f"with the global batch of {num_workers * batch_size} rows they would make a last step of fewer "
+                   f"rows than the {num_workers} workers")
+        logging.warning("fit trains on %d of the %d rows in each epoch: the last %d row(s), which one process would "
+                        "train on, are left out: %s. Give a row count without such a remainder to train on every "
+                        "row.", usable, n, n - usable, why)
     return tf.nest.map_structure(lambda a: None if a is None else _stride(a, index, usable, num_workers), structure)
 
 
@@ -59,7 +88,7 @@ def _stride(a, index, usable, num_workers):
         rows = a.indices[:, 0]
         kept = tf.sparse.retain(a, tf.logical_and(rows < usable, rows % num_workers == index))
         indices = tf.concat([kept.indices[:, :1] // num_workers, kept.indices[:, 1:]], axis=1)
-        dense_shape = tf.concat([[usable // num_workers], a.dense_shape[1:]], axis=0)
+        dense_shape = tf.concat([[len(range(index, usable, num_workers))], a.dense_shape[1:]], axis=0)
         return tf.SparseTensor(indices, kept.values, dense_shape)
     return a[index:usable:num_workers]
 
@@ -148,7 +177,7 @@ def is_generator(x):
 def may_be_uneven(x):
     """Whether the workers' batches of training input ``x`` may differ in size: a dataset whose batch dimension is
     not fixed (a last, partial batch; ``drop_remainder=True`` fixes it), or a Sequence or generator (their batches
-    are only known when read). Sharded arrays give every worker batches of the same sizes."""
+    are only known when read). For arrays, ``arrays_uneven`` tells (it needs the batch size)."""
     if is_sequence(x) or is_generator(x):
         return True
     if not is_dataset(x):

@@ -458,7 +458,7 @@ def _fit(original, model, *args, **kwargs):
     a = bound.arguments
     n, index = strategy.num_workers, strategy.worker_index
     data_lib.check_supported(a["x"])
-    _expect_uneven_batches(model, data_lib.may_be_uneven(a["x"]))
+    uneven = data_lib.may_be_uneven(a["x"])
     if data_lib.is_per_worker(a["x"]):
         _check_same_steps(strategy, data_lib.local_steps(a["x"], a["steps_per_epoch"]))
     elif data_lib.is_dataset(a["x"]):
@@ -472,11 +472,16 @@ def _fit(original, model, *args, **kwargs):
         if a["validation_split"] and a["validation_data"] is None:
             arrays, a["validation_data"] = keras_compat.train_validation_split(arrays, a["validation_split"])
             a["validation_split"] = 0.0
-        a["x"], a["y"], a["sample_weight"] = data_lib.shard_arrays(arrays, n, index)
+        # Without steps_per_epoch, Keras batches the arrays by batch_size (32 by default): the split keeps the
+        # last, partial global batch, whose rows the workers' last batches then share unevenly.
+        batch_size = None if a["steps_per_epoch"] else a["batch_size"] or keras_compat.DEFAULT_BATCH_SIZE
+        uneven = data_lib.arrays_uneven(arrays, n, batch_size)
+        a["x"], a["y"], a["sample_weight"] = data_lib.shard_arrays(arrays, n, index, batch_size)
         if a["validation_batch_size"] is None and data_lib.is_arrays(a["validation_data"]):
             # Validation runs the full arrays on every worker; one process's fit validates in batches of its
             # batch_size, which is the global batch here (a loss summed over the batch, a masked mean, depend on it).
             a["validation_batch_size"] = n * (a["batch_size"] or keras_compat.DEFAULT_BATCH_SIZE)
+    _expect_uneven_batches(model, uneven)
     ours = [fit_callbacks.SyncReplicatedVariables(strategy), fit_callbacks.AverageMetrics(strategy)]
     if strategy.partitioned_tables and not strategy.partition_search["done"]:
         ours.insert(1, partition_search.PartitionSearch(strategy))

@@ -793,6 +793,26 @@ def self_sharded_dataset(scope, batch):
     return model
 
 
+def partial_last_batch_arrays(scope, batch):
+    """fit on NumPy arrays of 117 rows (with per-row sample weights): one process's last batch has 21 rows, which the
+    workers' last batches share unevenly (11 + 10). A table, BatchNormalization, Adam, a metric; every epoch's logs
+    are kept."""
+    ids, rng = _ids(23)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    weights = rng.uniform(0.5, 2.0, size=ROWS).astype(np.float32)
+    rows = 117
+    with scope():
+        model = tf.keras.Sequential([tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB),
+                                     tf.keras.layers.GlobalAveragePooling1D(), tf.keras.layers.Dense(4, use_bias=False),
+                                     tf.keras.layers.BatchNormalization(), tf.keras.layers.Dense(1)])
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="mse", metrics=["mae"])
+        history = model.fit(ids[:rows], y[:rows], sample_weight=weights[:rows], batch_size=batch, epochs=2,
+                            shuffle=False, verbose=0)
+    model.logged = [np.array([history.history[key] for key in sorted(history.history)])]
+    return model
+
+
 class OwnLossStep(tf.keras.Model):
     """A subclassed model whose own train_step computes its loss (no compiled loss): a mean squared error plus the
     model's losses (an activity regularizer's), through BatchNormalization on images (Keras' fused kernel) and on a
@@ -1325,7 +1345,7 @@ PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, mixed
                                     mask_zero_lstm_callbacks,
                                     custom_train_step, text_vectorization, lookup_layers, shared_layer, keras_callbacks,
                                     tf_data_known_cardinality, backup_and_restore_resume, partial_last_batch,
-                                    self_sharded_dataset,
+                                    self_sharded_dataset, partial_last_batch_arrays,
                                     masked_sequence_losses, own_loss_partial_batch, weighted_metrics_sample_weights,
                                     gru_conv1d_evaluate, seq2seq_gru, validation_summed_loss, stateful_lstm,
                                     run_eagerly_dense, two_optimizers,
