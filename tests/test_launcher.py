@@ -185,6 +185,9 @@ def test_a_cluster_file_of_this_host_only_starts_it_without_ssh(tmp_path):
                          "Received: train_on_batch() of a model compiled outside the scope")),
     ("custom_loop", "refused: SGD.apply_gradients was called outside kparallax's training step in a job of 2 workers"),
     ("virtual_batch", "refused: BatchNormalization layer 'vbn' normalizes sub-batches of 2 rows of each worker's batch"),
+    ("shuffle_seeds", ("refused: The workers shuffle the dataset with different seeds, so each keeps its batches of "
+                       "its own order", "Received: first shuffle seeds per worker [[", "100], [", "101]]",
+                       "one seed: trained")),
     ("clip_refused", ("ValueError: The train_step transforms the gradient of 'transformed/table/embeddings:0' by a "
                       "function of its gradients (L2Loss op 'global_norm/L2Loss'",
                       "because it involves the optimizer's clipnorm / clipvalue / global_clipnorm too.",

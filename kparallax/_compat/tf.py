@@ -233,13 +233,12 @@ def shard_of(dataset):
     return _static_int(dataset._num_shards), _static_int(dataset._index)  # pylint: disable=protected-access
 
 
-def is_unseeded_shuffle(dataset):
-    """Whether ``dataset`` is a ``Dataset.shuffle`` given no seed while no global seed was set: both of its seeds are
-    0, which makes TensorFlow draw a new random order in every process. Reads ``_ShuffleDataset``'s ``_seed`` and
-    ``_seed2`` (TF 2.15)."""
+def shuffle_seeds(dataset):
+    """``(seed, seed2)`` of a ``Dataset.shuffle`` dataset (static values, None where not known), else None. Reads
+    ``_ShuffleDataset``'s ``_seed`` and ``_seed2`` (TF 2.15)."""
     if type(dataset).__name__ != "_ShuffleDataset":
-        return False
-    return _static_int(dataset._seed) == 0 and _static_int(dataset._seed2) == 0  # pylint: disable=protected-access
+        return None
+    return _static_int(dataset._seed), _static_int(dataset._seed2)  # pylint: disable=protected-access
 
 
 def _static_int(tensor):

@@ -18,7 +18,8 @@ A dataset that each worker already reads its own part of (say, its own files) is
 with tf.distribute's ``AutoShardPolicy.OFF`` in its options; ``fit`` then uses it as is, after checking that every
 worker runs the same number of steps per epoch. A dataset sharded per worker with ``Dataset.shard(N, ...)`` and not
 marked is refused (``fit`` would shard it again: each worker would train on 1/N of its part), and so is a dataset
-shuffled without a seed (each worker would split its own order: their batches would overlap).
+shuffled without a seed (each worker would split its own order: their batches would overlap); ``fit`` also
+compares the shuffle seeds across workers (``shuffle_seeds``).
 """
 
 import tensorflow as tf
@@ -246,7 +247,7 @@ def _check_shardable(dataset, num_workers):
                 f"index={shard[1]}). Remove the shard, or keep it and mark the dataset with "
                 "kparallax.data.per_worker(dataset) (or tf.data.Options().experimental_distribute.auto_shard_policy "
                 "= AutoShardPolicy.OFF) so fit uses it as it is.")
-    if any(tf_compat.is_unseeded_shuffle(part) for part in chain):
+    if any(tf_compat.shuffle_seeds(part) == (0, 0) for part in chain):  # no seed, no global seed: random per process
         raise ValueError(
             "The dataset is shuffled without a seed, so each worker draws its own order, and fit splits it by whole "
             "batches (worker i keeps batches i, i+N, ...): the workers' batches would overlap, and an epoch would "
@@ -254,6 +255,13 @@ def _check_shardable(dataset, num_workers):
             "seed. Give the shuffle a seed, the same on every worker (dataset.shuffle(n, seed=s), or "
             "tf.keras.utils.set_random_seed(s) before the dataset is built), or shard the dataset yourself before "
             "shuffling and mark it kparallax.data.per_worker(dataset).")
+
+
+def shuffle_seeds(dataset):
+    """The seeds of every ``Dataset.shuffle`` in ``dataset``'s chain, as a flat list of ints (-1 where not known),
+    outermost first; empty if it shuffles nowhere. Workers splitting one dataset by batches must find the same."""
+    seeds = [tf_compat.shuffle_seeds(part) for part in tf_compat.dataset_chain(dataset)]
+    return [-1 if value is None else value for pair in seeds if pair is not None for value in pair]
 
 
 def local_steps(dataset, steps_per_epoch):

@@ -32,6 +32,7 @@ import re
 import threading
 import types
 import weakref
+import zlib
 
 import tensorflow as tf
 
@@ -463,6 +464,7 @@ def _fit(original, model, *args, **kwargs):
         _check_same_steps(strategy, data_lib.local_steps(a["x"], a["steps_per_epoch"]))
     elif data_lib.is_dataset(a["x"]):
         a["x"] = data_lib.shard_dataset(a["x"], n, index, a["steps_per_epoch"])
+        _check_same_shuffle(strategy, data_lib.shuffle_seeds(a["x"]))
     elif data_lib.is_sequence(a["x"]):
         a["x"] = data_lib.shard_sequence(a["x"], n, index)
     elif data_lib.is_generator(a["x"]):
@@ -551,6 +553,23 @@ def _explained(error, model):
     return ValueError(f"The input holds id {match.group(1)}, outside an embedding table (or table shard) of "
                       f"{match.group(2)} rows: ids must be in [0, vocabulary size). Check the data against the "
                       f"vocabulary (or raise the Embedding's input_dim). Received: id={match.group(1)}.")
+
+
+def _check_same_shuffle(strategy, seeds):
+    """Workers splitting one dataset by batches must shuffle it alike: the seeds of its shuffles (a fingerprint and
+    the first pair, one allgather) must agree, or each worker would keep its batches of its own order."""
+    if strategy.num_workers == 1:
+        return
+    first = (seeds + [-1, -1])[:2]
+    rows = collectives.allgather_ints([zlib.crc32(repr(seeds).encode()), len(seeds)] + first, name="kp_shuffle_seeds")
+    if len({tuple(row) for row in rows}) != 1:
+        shown = [row[2:] for row in rows]
+        raise ValueError(
+            "The workers shuffle the dataset with different seeds, so each keeps its batches of its own order and "
+            "their batches overlap: an epoch would train on some rows twice and miss others. Received: first shuffle "
+            f"seeds per worker {shown}. Build the dataset with the same seeds on every worker (shuffle(n, seed=s), "
+            "tf.keras.utils.set_random_seed(s) before building it, or a seed= to the Keras utility that builds it), "
+            "or shard it yourself before shuffling and mark it kparallax.data.per_worker(dataset).")
 
 
 def _check_same_steps(strategy, steps):

@@ -2,7 +2,7 @@
 
 Usage: worker_behaviour.py MODE (fail_rank1 | same_index | ok | compile_outside | custom_loop | skew_steps |
                                skew_steps_async | virtual_batch | batch_norm_global | batch_norm_per_worker |
-                               dropout_masks | several_models | clip_refused | clip_accumulated)
+                               dropout_masks | several_models | clip_refused | clip_accumulated | shuffle_seeds)
 """
 
 import os
@@ -53,6 +53,23 @@ if mode == "custom_loop":
         print(f"refused: {e}", flush=True)
     else:
         sys.exit("a custom training loop's optimizer trained silently")
+if mode == "shuffle_seeds":
+    # Each worker seeds its dataset's shuffle with its own rank (as a script seeding per worker does): refused, as
+    # their batches of their own orders would overlap. With one seed on every worker, fit trains.
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.Input((1,)), tf.keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    rows = tf.data.Dataset.from_tensor_slices((np.arange(64, dtype=np.float32)[:, None], np.zeros((64, 1))))
+    try:
+        model.fit(rows.shuffle(64, seed=100 + strategy.worker_index).batch(4), verbose=0)
+    except ValueError as e:
+        print(f"refused: {e}", flush=True)
+    else:
+        sys.exit("workers split datasets shuffled with different seeds silently")
+    model.fit(rows.shuffle(64, seed=100).batch(4), verbose=0)
+    print("one seed: trained", flush=True)
 if mode in ("skew_steps", "skew_steps_async"):
     # worker 1's optimizer makes one extra step, as a loss-scale skip on worker 0 would
     import numpy as np  # pylint: disable=import-outside-toplevel
