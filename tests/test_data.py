@@ -117,8 +117,14 @@ def test_a_dataset_sharded_per_worker_by_the_user_is_refused_unless_marked():
 def test_a_dataset_shuffled_without_a_seed_is_refused_and_a_seeded_one_is_split_into_one_order():
     tf.random.set_seed(None)  # no global seed (another test may have set one)
     unseeded = tf.data.Dataset.range(40).shuffle(40).batch(4).prefetch(1)
-    with pytest.raises(ValueError, match=r"shuffled without a seed.*Received: a dataset with shuffle\(seed=None\)"):
-        data.shard_dataset(unseeded, 2, 0)
+    sampled = tf.data.Dataset.sample_from_datasets([tf.data.Dataset.range(20), tf.data.Dataset.range(20, 40)])
+    for dataset in (unseeded, sampled.batch(4)):
+        with pytest.raises(ValueError, match=r"shuffled \(or sampled.*without a seed.*Received: a dataset with "
+                                             r"shuffle\(seed=None\)"):
+            data.shard_dataset(dataset, 2, 0)
+    seeded = tf.data.Dataset.sample_from_datasets([tf.data.Dataset.range(20), tf.data.Dataset.range(20, 40)], seed=4)
+    assert data.shuffle_seeds(seeded.batch(4).shuffle(3, seed=5))[2:] == [87654321, 4]  # TF's default graph seed
+    assert len(list(data.shard_dataset(seeded.batch(4), 2, 0, steps_per_epoch=5).take(5))) == 5
     assert len(list(data.shard_dataset(unseeded, 1, 0))) == 10  # one worker: any order is one process's
     assert data.is_per_worker(data.per_worker(tf.data.Dataset.range(40).shuffle(40).batch(4)))
     # Seeded, by the shuffle or by the global seed: each worker (its own process, here its own dataset built after

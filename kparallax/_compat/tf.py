@@ -233,10 +233,12 @@ def shard_of(dataset):
     return _static_int(dataset._num_shards), _static_int(dataset._index)  # pylint: disable=protected-access
 
 
-def shuffle_seeds(dataset):
-    """``(seed, seed2)`` of a ``Dataset.shuffle`` dataset (static values, None where not known), else None. Reads
-    ``_ShuffleDataset``'s ``_seed`` and ``_seed2`` (TF 2.15)."""
-    if type(dataset).__name__ != "_ShuffleDataset":
+def order_seeds(dataset):
+    """``(seed, seed2)`` of a dataset that draws a random order (``Dataset.shuffle``) or random numbers
+    (``Dataset.random``, which ``sample_from_datasets`` draws its choices from): static values, None where not known;
+    None for other datasets. Reads ``_ShuffleDataset``'s and ``_RandomDataset``'s ``_seed`` and ``_seed2`` (TF 2.15).
+    ``(0, 0)``: no seed and no global seed, so TensorFlow draws new random seeds in every process."""
+    if type(dataset).__name__ not in ("_ShuffleDataset", "_RandomDataset"):
         return None
     return _static_int(dataset._seed), _static_int(dataset._seed2)  # pylint: disable=protected-access
 

@@ -247,20 +247,22 @@ def _check_shardable(dataset, num_workers):
                 f"index={shard[1]}). Remove the shard, or keep it and mark the dataset with "
                 "kparallax.data.per_worker(dataset) (or tf.data.Options().experimental_distribute.auto_shard_policy "
                 "= AutoShardPolicy.OFF) so fit uses it as it is.")
-    if any(tf_compat.shuffle_seeds(part) == (0, 0) for part in chain):  # no seed, no global seed: random per process
+    if any(tf_compat.order_seeds(part) == (0, 0) for part in chain):  # no seed, no global seed: random per process
         raise ValueError(
-            "The dataset is shuffled without a seed, so each worker draws its own order, and fit splits it by whole "
-            "batches (worker i keeps batches i, i+N, ...): the workers' batches would overlap, and an epoch would "
-            "train on some rows twice and miss others. Received: a dataset with shuffle(seed=None) and no global "
-            "seed. Give the shuffle a seed, the same on every worker (dataset.shuffle(n, seed=s), or "
+            "The dataset is shuffled (or sampled: Dataset.random, sample_from_datasets) without a seed, so each "
+            "worker draws its own order, and fit splits it by whole batches (worker i keeps batches i, i+N, ...): the "
+            "workers' batches would overlap, and an epoch would train on some rows twice and miss others. Received: a "
+            "dataset with shuffle(seed=None) (or random(seed=None)) and no global seed. Give it a seed, the same on "
+            "every worker (dataset.shuffle(n, seed=s), sample_from_datasets(..., seed=s), or "
             "tf.keras.utils.set_random_seed(s) before the dataset is built), or shard the dataset yourself before "
             "shuffling and mark it kparallax.data.per_worker(dataset).")
 
 
 def shuffle_seeds(dataset):
-    """The seeds of every ``Dataset.shuffle`` in ``dataset``'s chain, as a flat list of ints (-1 where not known),
-    outermost first; empty if it shuffles nowhere. Workers splitting one dataset by batches must find the same."""
-    seeds = [tf_compat.shuffle_seeds(part) for part in tf_compat.dataset_chain(dataset)]
+    """The seeds of every ``Dataset.shuffle`` (and ``Dataset.random``) in ``dataset``'s chain, as a flat list of ints
+    (-1 where not known), outermost first; empty if it draws no random order. Workers splitting one dataset by
+    batches must find the same."""
+    seeds = [tf_compat.order_seeds(part) for part in tf_compat.dataset_chain(dataset)]
     return [-1 if value is None else value for pair in seeds if pair is not None for value in pair]
 
 
