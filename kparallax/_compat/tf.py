@@ -207,7 +207,6 @@ def copy_op(op, inputs):
     return list(copied.outputs)
 
 
-
 def dataset_chain(dataset):
     """The datasets ``dataset`` is built from, itself first, through tf.data's private links between datasets
     (``DatasetV2._inputs()``, TF 2.15). Functions of ``interleave`` / ``flat_map`` are not entered."""
