@@ -1,4 +1,5 @@
-"""TensorFlow internals: shared PS variables, their read hook, the eager context and function graphs.
+"""TensorFlow internals: shared PS variables, their read hook, the eager context, function graphs and the chain of
+datasets a tf.data pipeline is built from.
 
 Versions: TensorFlow 2.15 (seen 2.15.1). Each function names the private API it touches.
 """
