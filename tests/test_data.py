@@ -142,7 +142,7 @@ def test_a_dataset_shuffled_without_a_seed_is_refused_and_a_seeded_one_is_split_
 
 def test_batches_may_differ_in_size_only_for_datasets_without_a_fixed_batch_dimension():
     rows = {"ids": np.zeros((10, 3), np.int32), "w": np.ones(10, np.float32)}
-    assert not data.may_be_uneven(rows)  # sharded arrays: equal batches on every worker
+    assert not data.may_be_uneven(rows)  # arrays: arrays_uneven tells, from the batch size
     assert data.may_be_uneven(tf.data.Dataset.from_tensor_slices(rows).batch(4))  # a last, partial batch
     assert not data.may_be_uneven(tf.data.Dataset.from_tensor_slices(rows).batch(4, drop_remainder=True))
     mixed = tf.data.Dataset.zip((tf.data.Dataset.from_tensor_slices(rows).batch(4, drop_remainder=True),

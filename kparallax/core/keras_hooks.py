@@ -476,13 +476,14 @@ def _fit(original, model, *args, **kwargs):
             a["validation_split"] = 0.0
         # Without steps_per_epoch, Keras batches the arrays by batch_size (32 by default): the split keeps the
         # last, partial global batch, whose rows the workers' last batches then share unevenly.
-        batch_size = None if a["steps_per_epoch"] else a["batch_size"] or keras_compat.DEFAULT_BATCH_SIZE
-        uneven = data_lib.arrays_uneven(arrays, n, batch_size)
-        a["x"], a["y"], a["sample_weight"] = data_lib.shard_arrays(arrays, n, index, batch_size)
+        batch_size = a["batch_size"] or keras_compat.DEFAULT_BATCH_SIZE
+        split_batch = None if a["steps_per_epoch"] else batch_size
+        uneven = data_lib.arrays_uneven(arrays, n, split_batch)
+        a["x"], a["y"], a["sample_weight"] = data_lib.shard_arrays(arrays, n, index, split_batch)
         if a["validation_batch_size"] is None and data_lib.is_arrays(a["validation_data"]):
             # Validation runs the full arrays on every worker; one process's fit validates in batches of its
             # batch_size, which is the global batch here (a loss summed over the batch, a masked mean, depend on it).
-            a["validation_batch_size"] = n * (a["batch_size"] or keras_compat.DEFAULT_BATCH_SIZE)
+            a["validation_batch_size"] = n * batch_size
     _expect_uneven_batches(model, uneven)
     ours = [fit_callbacks.SyncReplicatedVariables(strategy), fit_callbacks.AverageMetrics(strategy)]
     if strategy.partitioned_tables and not strategy.partition_search["done"]:
