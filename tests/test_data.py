@@ -89,9 +89,50 @@ def test_data_left_out_to_give_every_worker_the_same_steps_is_named_by_worker_0(
     assert _warnings_of(lambda: data.shard_arrays(rows, 7, 0)) == []
     [message] = _warnings_of(lambda: data.shard_dataset(tf.data.Dataset.range(7).batch(1), 3, 0))
     assert message.startswith("fit trains on 6 of the dataset's 7 batches in each epoch")
+    assert "(their rows are not split over the workers: the last 1 batch(es) hold 1 row(s), fewer than the 3 " \
+           "workers)" in message
     assert _warnings_of(lambda: data.shard_dataset(tf.data.Dataset.range(6).batch(1), 3, 0)) == []
-    [message] = _warnings_of(lambda: data.shard_sequence(_Rows(np.arange(10), 2), 4, 0))
+    [message] = _warnings_of(lambda: data.shard_sequence(_Rows(np.arange(9), 2), 4, 0))
     assert message.startswith("fit trains on 4 of the Sequence's 5 batches in each epoch")
+    assert "(their rows are not split over the workers: they hold 1 row(s), fewer than the 4 workers)" in message
+
+
+def test_the_last_batches_of_an_odd_count_are_split_by_rows_as_one_process_batches_them():
+    # 27 rows (ids, a sparse feature, y, weights) batched by 4: 7 batches, the last of 3 rows. One process with the
+    # global batch of N * 4 rows trains on the same rows in each step: its last step's rows are those of the last
+    # 7 % N batches, which the workers' last batches share by striding.
+    dense = np.zeros((27, 5), np.float32)
+    dense[np.arange(27), np.arange(27) % 5] = np.arange(1, 28)
+    rows = ({"ids": np.arange(27 * 3, dtype=np.int64).reshape(27, 3), "s": tf.sparse.from_dense(dense)},
+            np.arange(27), np.linspace(0.5, 1.5, 27).astype(np.float32))
+    ds = tf.data.Dataset.from_tensor_slices(rows).batch(4).prefetch(1)
+    for workers, last_rows in ((2, [[24, 26], [25]]), (4, [[16, 20, 24], [17, 21, 25], [18, 22, 26], [19, 23]])):
+        assert _warnings_of(lambda n=workers: data.shard_dataset(ds, n, 0)) == []
+        shards = [list(data.shard_dataset(ds, workers, i)) for i in range(workers)]
+        assert {len(s) for s in shards} == {7 // workers + 1}
+        for worker, shard in enumerate(shards):
+            assert [b[1].numpy().tolist() for b in shard[:-1]] == [list(range(4 * k, 4 * k + 4))
+                                                                  for k in range(worker, 7 - 7 % workers, workers)]
+            x, y, w = shard[-1]
+            y = y.numpy()
+            assert y.tolist() == last_rows[worker]
+            assert (x["ids"][:, 0] // 3).numpy().tolist() == y.tolist() and w.numpy().tolist() == rows[2][y].tolist()
+            assert tf.sparse.to_dense(x["s"]).numpy().max(axis=1).tolist() == (y + 1).tolist()  # each row's entry
+        assert data.shard_dataset(ds, workers, 1).cardinality() == 7 // workers + 1
+    # The rows are kept where the last batches can be split; otherwise they are left out, and worker 0 says why.
+    for ds, workers, why in (
+            (tf.data.Dataset.range(9).batch(4), 2, "the last 1 batch(es) hold 1 row(s), fewer than the 2 workers"),
+            (tf.data.Dataset.range(20).batch(4, drop_remainder=True), 3, "its batches have a fixed size (4"),
+            (tf.data.Dataset.range(6).map(lambda v: tf.range(v)).padded_batch(2), 2, "its batches' shapes vary"),
+            (tf.data.Dataset.from_tensor_slices(tf.ragged.constant([[1], [2, 3], [4]])).batch(1), 2, "ragged"),
+            (tf.data.Dataset.range(9).filter(lambda v: v < 7).batch(2).apply(
+                tf.data.experimental.assert_cardinality(4)).take(3), 2, "cannot tell from the dataset how many")):
+        [message] = _warnings_of(lambda d=ds, n=workers: data.shard_dataset(d, n, 0))
+        assert why in message, message
+    # A map that changes the rows after the batch is not seen before; the split stops at the last step, naming them.
+    shrunk = tf.data.Dataset.range(12).batch(4).map(lambda b: b[:1])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="hold fewer rows than workers"):
+        list(data.shard_dataset(shrunk, 2, 0))
 
 
 def test_a_dataset_sharded_per_worker_by_the_user_is_refused_unless_marked():
@@ -160,9 +201,9 @@ def test_dataset_of_unknown_length_needs_steps():
 def test_too_little_data():
     with pytest.raises(ValueError, match=r"fewer than the 4 workers; each worker needs at least one. Received: 3 rows"):
         data.shard_arrays(np.arange(3), 4, 0)
-    with pytest.raises(ValueError, match=r"The Sequence has 1 batch\(es\), fewer than the 2 workers.*"
+    with pytest.raises(ValueError, match=r"The Sequence has 1 batch\(es\), fewer than the 2 workers.*1 row\(s\).*"
                                          r"Received: len\(sequence\)=1"):
-        data.shard_sequence(_Rows(np.arange(3), 4), 2, 0)
+        data.shard_sequence(_Rows(np.arange(1), 4), 2, 0)
     with pytest.raises(TypeError, match="Received: set"):
         data.check_supported({1, 2})
 
@@ -184,6 +225,24 @@ class _Rows(tf.keras.utils.Sequence):
         self.rows, self.epochs_ended = self.rows[::-1], self.epochs_ended + 1
 
 
+class _Pairs(_Rows):
+    """(x, y) batches: y is -x."""
+
+    def __getitem__(self, k):
+        x = super().__getitem__(k)
+        return x, -x
+
+
+class _Padded(tf.keras.utils.Sequence):
+    """Five batches padded to their own longest row: (2, 3), (2, 4), ..., then (1, 7)."""
+
+    def __len__(self):
+        return 5
+
+    def __getitem__(self, k):
+        return np.zeros((1 if k == 4 else 2, 3 + k)), np.zeros(1 if k == 4 else 2)
+
+
 def test_a_sequence_is_sharded_by_whole_batches_and_keeps_its_epoch_end():
     """Worker i loads batches i, i+N, ... only: with per-worker batches of B, step k's batches are the rows of one
     process's step k with batches of N*B, the partial last batch included."""
@@ -196,7 +255,22 @@ def test_a_sequence_is_sharded_by_whole_batches_and_keeps_its_epoch_end():
         shards[0][4]  # pylint: disable=pointless-statement
     shards[1].on_epoch_end()
     assert sequence.epochs_ended == 1 and shards[0][0].tolist() == [22, 21, 20]
-    assert len(data.shard_sequence(_Rows(np.arange(21), 3), 2, 1)) == 3  # 7 batches: each worker runs 3 steps
+    # 7 batches (21 rows): the 7th batch's rows make the workers' last batches, as one process's last global batch.
+    shards = [data.shard_sequence(_Rows(np.arange(21), 3), 2, i) for i in range(2)]
+    assert [len(s) for s in shards] == [4, 4]
+    assert [shards[0][3].tolist(), shards[1][3].tolist()] == [[18, 20], [19]]
+    for step in range(4):
+        np.testing.assert_array_equal(np.sort(np.concatenate([s[step] for s in shards])),
+                                      np.arange(21)[step * 6:step * 6 + 6])
+    # (x, y) batches of 17 rows by 4 over 3 workers: the last 2 batches' rows (4 + 1) are split 2 + 2 + 1.
+    pairs = _Pairs(np.arange(17), 4)
+    last = [data.shard_sequence(pairs, 3, i)[1] for i in range(3)]
+    assert [(x.tolist(), y.tolist()) for x, y in last] == [([12, 15], [-12, -15]), ([13, 16], [-13, -16]),
+                                                           ([14], [-14])]
+    # Arrays whose shapes differ beyond the rows (padded to each batch's longest) are not joined: left out, said.
+    [message] = _warnings_of(lambda: data.shard_sequence(_Padded(), 3, 0))
+    assert "their arrays' shapes differ beyond the row count ([(2, 6), (1, 7)])" in message
+    assert len(data.shard_sequence(_Padded(), 3, 1)) == 1
 
 
 def test_a_generator_is_sharded_by_batches_and_needs_steps():

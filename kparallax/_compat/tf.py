@@ -243,6 +243,30 @@ def order_seeds(dataset):
     return _static_int(dataset._seed), _static_int(dataset._seed2)  # pylint: disable=protected-access
 
 
+# Datasets that give one element per element of their input, unchanged in count and, as far as kparallax can tell,
+# in rows (a ``map`` could change a batch's rows; the split of the last batches checks their rows when it runs).
+_ONE_TO_ONE = ("_PrefetchDataset", "_OptionsDataset", "CacheDataset", "_MapDataset", "_ParallelMapDataset",
+               "_AssertCardinalityDataset")
+_BATCHING = ("_BatchDataset", "_ParallelBatchDataset", "_PaddedBatchDataset")
+
+
+def batching(dataset):
+    """``(batch_size, rows)`` of the ``batch`` (or ``padded_batch``) that makes ``dataset``'s elements, found under
+    one-to-one datasets only (``prefetch``, ``map``, ``cache``, options): its static batch size and the row count of
+    its input (None where not known); None if there is no such batch or its size is not static. Reads the private
+    ``_input_dataset`` and ``_batch_size`` of tf.data's Python classes (TF 2.15)."""
+    current = dataset
+    while type(current).__name__ in _ONE_TO_ONE:
+        current = current._input_dataset  # pylint: disable=protected-access
+    if type(current).__name__ not in _BATCHING:
+        return None
+    size = _static_int(current._batch_size)  # pylint: disable=protected-access
+    if size is None or size < 1:
+        return None
+    rows = int(current._input_dataset.cardinality())  # pylint: disable=protected-access
+    return size, (rows if rows >= 0 else None)
+
+
 def _static_int(tensor):
     value = tf.get_static_value(tensor)
     return None if value is None else int(value)

@@ -7,12 +7,15 @@ of the original arrays: the global batch a single process would see with ``batch
 included (the workers' last batches then differ by at most a row), unless it has fewer rows than workers.
 
 A ``tf.data.Dataset`` (already batched, as Keras expects) is split by whole batches: worker ``i`` keeps batches
-``i, i+N, ...`` (``Dataset.shard``), after the batch count is cut to a multiple of ``N`` so that every worker runs
-the same number of steps. A dataset of unknown length needs ``steps_per_epoch``.
+``i, i+N, ...`` (``Dataset.shard``). When the batch count is not a multiple of ``N``, the rows of the last
+``count % N`` batches (one process's last global batch) are split by striding into the workers' last batches, where
+the dataset shows that they can be (``_last_rows_blocker``); otherwise those batches are left out, so that every
+worker runs the same number of steps. A dataset of unknown length needs ``steps_per_epoch``.
 
 A ``keras.utils.Sequence`` is split by whole batches too (batches ``i, i+N, ...`` of its ``__getitem__``: each
-worker loads its own batches only), a Python generator by drawing every batch and keeping batches ``i, i+N, ...``
-(it needs ``steps_per_epoch``, as a dataset of unknown length does).
+worker loads its own batches only; the rows of its last ``len % N`` batches as a dataset's), a Python generator by
+drawing every batch and keeping batches ``i, i+N, ...`` (it needs ``steps_per_epoch``, as a dataset of unknown
+length does).
 
 A dataset that each worker already reads its own part of (say, its own files) is marked with ``per_worker``, or
 with tf.distribute's ``AutoShardPolicy.OFF`` in its options; ``fit`` then uses it as is, after checking that every
@@ -22,6 +25,7 @@ shuffled without a seed (each worker would split its own order: their batches wo
 compares the shuffle seeds across workers (``shuffle_seeds``).
 """
 
+import numpy as np
 import tensorflow as tf
 
 from kparallax import log as logging
@@ -89,13 +93,18 @@ def _stride(a, index, usable, num_workers):
         rows = a.indices[:, 0]
         kept = tf.sparse.retain(a, tf.logical_and(rows < usable, rows % num_workers == index))
         indices = tf.concat([kept.indices[:, :1] // num_workers, kept.indices[:, 1:]], axis=1)
-        dense_shape = tf.concat([[len(range(index, usable, num_workers))], a.dense_shape[1:]], axis=0)
+        count = tf.cast((usable - index + num_workers - 1) // num_workers, tf.int64)
+        dense_shape = tf.concat([[count], a.dense_shape[1:]], axis=0)
         return tf.SparseTensor(indices, kept.values, dense_shape)
     return a[index:usable:num_workers]
 
 
 def shard_dataset(dataset, num_workers, index, steps_per_epoch=None):
-    """Shards a batched dataset by whole batches so every worker runs the same number of steps."""
+    """Shards a batched dataset by whole batches so every worker runs the same number of steps.
+
+    When the batch count is not a multiple of the workers, the last global batch is made of the rows of the last
+    ``batches % num_workers`` batches, split by striding (as arrays are split), where ``_last_rows_blocker`` finds
+    nothing against it; otherwise those batches are left out, with a warning from worker 0 saying why."""
     _check_shardable(dataset, num_workers)
     cardinality = int(dataset.cardinality())
     if cardinality == tf.data.UNKNOWN_CARDINALITY and steps_per_epoch is None:
@@ -104,24 +113,112 @@ def shard_dataset(dataset, num_workers, index, steps_per_epoch=None):
             "Pass steps_per_epoch=..., or declare the length with "
             "dataset.apply(tf.data.experimental.assert_cardinality(n)). Received: cardinality=UNKNOWN.")
     if cardinality >= 0:
+        blocker = None
+        if cardinality % num_workers:
+            blocker = _last_rows_blocker(dataset, cardinality, num_workers)
+            if blocker is None:
+                return _split_last_rows(dataset, cardinality, num_workers, index)
         usable = cardinality - cardinality % num_workers
         if usable == 0:
-            raise ValueError(f"The dataset has {cardinality} batch(es), fewer than the {num_workers} workers. "
-                             f"Use a smaller batch size or more data. Received: {cardinality} batches.")
-        if index == 0 and usable < cardinality:
-            _warn_batches_left_out("dataset", usable, cardinality, num_workers)
+            raise ValueError(f"The dataset has {cardinality} batch(es), fewer than the {num_workers} workers"
+                             f"{_unsplit(blocker)}. Use a smaller batch size or more data. Received: {cardinality} "
+                             f"batches.")
+        if index == 0 and blocker is not None:
+            _warn_batches_left_out("dataset", usable, cardinality, num_workers, blocker)
         dataset = dataset.take(usable)
     return dataset.shard(num_workers, index)
 
 
-class _SequenceShard(tf.keras.utils.Sequence):
-    """Batches ``index, index + N, ...`` of a ``keras.utils.Sequence`` (whole batches, as a dataset is sharded),
-    their count cut to a multiple of ``N``; its ``on_epoch_end`` is the sequence's (every worker calls it)."""
+def _last_rows_blocker(dataset, batches, num_workers):
+    """Why the rows of ``dataset``'s last ``batches % num_workers`` batches cannot be split over the workers (a
+    sentence), or None when they can: batches of dense tensors of fixed inner shapes (so that they concatenate) and
+    sparse tensors, whose batch dimension is not fixed (a fixed one, ``drop_remainder=True``, asks for batches of
+    that size), made by a ``batch`` whose size and input rows show that those batches hold a row for each worker."""
+    for spec in tf.nest.flatten(dataset.element_spec):
+        if isinstance(spec, tf.RaggedTensorSpec):
+            return "it holds ragged tensors, which tf.data cannot join in its state (TF 2.15)"
+        if not isinstance(spec, (tf.TensorSpec, tf.SparseTensorSpec)) or not spec.shape.rank:
+            return f"its elements are not batches of tensors (a {spec})"
+        if spec.shape[0] is not None:
+            return (f"its batches have a fixed size ({spec.shape[0]}: drop_remainder=True), and a last batch of the "
+                    f"split rows would not")
+        if isinstance(spec, tf.TensorSpec) and not spec.shape[1:].is_fully_defined():
+            return (f"its batches' shapes vary ({spec.shape}: padded_batch to each batch's longest element, say), "
+                    f"so they do not concatenate")
+    found = tf_compat.batching(dataset)
+    if found is None:
+        return "kparallax cannot tell from the dataset how many rows they hold (no batch with a static size last)"
+    batch_size, rows = found
+    last = batches % num_workers
+    least = rows - (batches - last) * batch_size if rows is not None else (last - 1) * batch_size + 1
+    if least < num_workers:
+        held = f"hold {least} row(s)" if rows is not None else "may hold just 1 row"
+        return f"the last {last} batch(es) {held}, fewer than the {num_workers} workers"
+    return None
 
-    def __init__(self, sequence, num_workers, index):
+
+def _no_rows(spec):
+    """A value of ``spec`` (batches of dense tensors of fixed inner shape, or sparse ones) with no rows."""
+    if isinstance(spec, tf.SparseTensorSpec):
+        rank = spec.shape.rank
+        return tf.SparseTensor(tf.zeros([0, rank], tf.int64), tf.zeros([0], spec.dtype),
+                               [0] + [d or 0 for d in spec.shape[1:]])
+    return tf.zeros([0] + spec.shape[1:].as_list(), spec.dtype)
+
+
+def _joined(a, b):
+    if isinstance(a, tf.SparseTensor):
+        return tf.sparse.concat(0, [a, b], expand_nonconcat_dims=True)
+    return tf.concat([a, b], 0)
+
+
+def _rows_of(structure):
+    first = tf.nest.flatten(structure, expand_composites=False)[0]
+    return first.dense_shape[0] if isinstance(first, tf.SparseTensor) else tf.shape(first, out_type=tf.int64)[0]
+
+
+def _split_last_rows(dataset, batches, num_workers, index):
+    """Worker ``index``'s batches ``index, index + N, ...`` of the first ``batches - batches % N``, then one batch of
+    the rows ``index, index + N, ...`` of the last ``batches % N`` batches joined: one process's last global batch,
+    split as arrays are. One pass over the dataset, as ``Dataset.shard`` (which reads every batch) makes: a ``scan``
+    keeps the last batches' rows until the last one arrives."""
+    first_last = batches - batches % num_workers
+
+    def step(kept, position_and_batch):
+        position, batch = position_and_batch
+        is_last = position >= first_last
+        kept = tf.cond(is_last, lambda: tf.nest.map_structure(_joined, kept, batch), lambda: kept)
+        rows = _rows_of(kept)
+        check = tf.debugging.assert_greater_equal(
+            tf.where(position == batches - 1, rows, num_workers), tf.cast(num_workers, tf.int64),
+            message=f"fit splits the rows of the dataset's last {batches - first_last} batch(es) over the "
+                    f"{num_workers} workers, and they hold fewer rows than workers (a map after the batch that changes "
+                    f"its rows?): every worker needs a row in every step. Received: their row count")
+        with tf.control_dependencies([check]):
+            out = tf.cond(is_last, lambda: tf.nest.map_structure(lambda t: _stride(t, index, rows, num_workers), kept),
+                          lambda: batch)
+        return kept, (tf.logical_or(tf.logical_not(is_last), position == batches - 1), out)
+
+    start = tf.nest.map_structure(_no_rows, dataset.element_spec)
+    split = (dataset.enumerate()
+             .filter(lambda position, batch: tf.logical_or(position % num_workers == index, position >= first_last))
+             .scan(start, step)
+             .filter(lambda emit, batch: emit)
+             .map(lambda emit, batch: batch))
+    return split.apply(tf.data.experimental.assert_cardinality(first_last // num_workers + 1))
+
+
+class _SequenceShard(tf.keras.utils.Sequence):
+    """Batches ``index, index + N, ...`` of a ``keras.utils.Sequence`` (whole batches, as a dataset is sharded) of its
+    first ``len - len % N``, then, with ``split_last``, one batch of the rows ``index, index + N, ...`` of its last
+    ``len % N`` batches joined (one process's last global batch); its ``on_epoch_end`` is the sequence's (every worker
+    calls it)."""
+
+    def __init__(self, sequence, num_workers, index, split_last):
         super().__init__()
         self._sequence, self._n, self._index = sequence, num_workers, index
-        self._length = len(sequence) // num_workers
+        self._whole = len(sequence) // num_workers
+        self._length = self._whole + int(split_last)
 
     def __len__(self):
         return self._length
@@ -129,29 +226,78 @@ class _SequenceShard(tf.keras.utils.Sequence):
     def __getitem__(self, k):
         if not 0 <= k < self._length:
             raise IndexError(f"Batch {k} of a shard of {self._length} batches.")
-        return self._sequence[k * self._n + self._index]
+        if k < self._whole:
+            return self._sequence[k * self._n + self._index]
+        batches = _last_batches(self._sequence, self._n)
+        blocker = _sequence_rows_blocker(batches, self._n)
+        if blocker is not None:
+            raise ValueError(f"fit splits the rows of the Sequence's last {len(batches)} batch(es) over the {self._n} "
+                             f"workers, as it found them when it started, and now it cannot: {blocker}. Give the "
+                             f"Sequence a batch count that is a multiple of {self._n}.")
+        joined = tf.nest.map_structure(lambda *parts: np.concatenate(parts), *batches)
+        return tf.nest.map_structure(lambda a: a[self._index::self._n], joined)
 
     def on_epoch_end(self):
         self._sequence.on_epoch_end()
 
 
+def _last_batches(sequence, num_workers):
+    count = len(sequence)
+    return [sequence[k] for k in range(count - count % num_workers, count)]
+
+
+def _sequence_rows_blocker(batches, num_workers):
+    """Why the rows of a Sequence's last ``batches`` cannot be split over the workers (a sentence), or None: they must
+    be NumPy arrays (in one structure) whose shapes differ in their row count only, with a row for each worker."""
+    try:
+        for batch in batches[1:]:
+            tf.nest.assert_same_structure(batches[0], batch)
+    except (TypeError, ValueError):
+        return "their structures differ"
+    leaves = [tf.nest.flatten(batch) for batch in batches]
+    for position in range(len(leaves[0])):
+        parts = [batch[position] for batch in leaves]
+        if not all(isinstance(part, np.ndarray) and part.ndim > 0 for part in parts):
+            kinds = sorted({type(part).__name__ for part in parts})
+            return f"they hold values that are not NumPy arrays with a batch dimension ({', '.join(kinds)})"
+        if len({part.shape[1:] for part in parts}) > 1:
+            return f"their arrays' shapes differ beyond the row count ({[part.shape for part in parts]})"
+    rows = sum(batch[0].shape[0] for batch in leaves) if leaves[0] else 0
+    if rows < num_workers:
+        return f"they hold {rows} row(s), fewer than the {num_workers} workers"
+    return None
+
+
 def shard_sequence(sequence, num_workers, index):
-    """Worker ``index``'s shard of a ``keras.utils.Sequence``: its batches ``index, index + N, ...``."""
+    """Worker ``index``'s shard of a ``keras.utils.Sequence``: its batches ``index, index + N, ...``, and when the
+    batch count is not a multiple of N, its rows ``index, index + N, ...`` of the last ``len % N`` batches (loaded
+    once here, to see that they can be split; otherwise they are left out, with a warning from worker 0)."""
     batches = len(sequence)
+    blocker = None
+    if batches % num_workers:
+        blocker = _sequence_rows_blocker(_last_batches(sequence, num_workers), num_workers)
+        if blocker is None:
+            return _SequenceShard(sequence, num_workers, index, split_last=True)
     if batches < num_workers:
-        raise ValueError(f"The Sequence has {batches} batch(es), fewer than the {num_workers} workers. Use a smaller "
-                         f"batch size or more data. Received: len(sequence)={batches}.")
-    if index == 0 and batches % num_workers:
-        _warn_batches_left_out("Sequence", batches - batches % num_workers, batches, num_workers)
-    return _SequenceShard(sequence, num_workers, index)
+        raise ValueError(f"The Sequence has {batches} batch(es), fewer than the {num_workers} workers"
+                         f"{_unsplit(blocker)}. Use a smaller batch size or more data. Received: "
+                         f"len(sequence)={batches}.")
+    if index == 0 and blocker is not None:
+        _warn_batches_left_out("Sequence", batches - batches % num_workers, batches, num_workers, blocker)
+    return _SequenceShard(sequence, num_workers, index, split_last=False)
 
 
-def _warn_batches_left_out(kind, usable, batches, num_workers):
+def _unsplit(blocker):
+    return "" if blocker is None else f", and their rows cannot be split over the workers: {blocker}"
+
+
+def _warn_batches_left_out(kind, usable, batches, num_workers, why):
     logging.warning("fit trains on %d of the %s's %d batches in each epoch: every worker runs the same number of "
                     "steps, so the batch count is cut to a multiple of the %d workers, and the last %d batch(es), "
-                    "which one process would train on, are left out. Give a batch count that is a multiple of %d "
-                    "(another batch size), or repeat the data and give steps_per_epoch, to train on every row.",
-                    usable, kind, batches, num_workers, batches - usable, num_workers)
+                    "which one process would train on, are left out (their rows are not split over the workers: %s). "
+                    "Give a batch count that is a multiple of %d (another batch size), or repeat the data and give "
+                    "steps_per_epoch, to train on every row.",
+                    usable, kind, batches, num_workers, batches - usable, why, num_workers)
 
 
 def shard_generator(generator, num_workers, index, steps_per_epoch):

@@ -463,8 +463,9 @@ def _fit(original, model, *args, **kwargs):
     if data_lib.is_per_worker(a["x"]):
         _check_same_steps(strategy, data_lib.local_steps(a["x"], a["steps_per_epoch"]))
     elif data_lib.is_dataset(a["x"]):
+        seeds = data_lib.shuffle_seeds(a["x"])
         a["x"] = data_lib.shard_dataset(a["x"], n, index, a["steps_per_epoch"])
-        _check_same_shuffle(strategy, data_lib.shuffle_seeds(a["x"]))
+        _check_same_shuffle(strategy, seeds)
     elif data_lib.is_sequence(a["x"]):
         a["x"] = data_lib.shard_sequence(a["x"], n, index)
     elif data_lib.is_generator(a["x"]):

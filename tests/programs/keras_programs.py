@@ -551,10 +551,10 @@ class ShuffledBatches(tf.keras.utils.Sequence):
 
 
 def sequence_input(scope, batch):
-    """fit on a keras.utils.Sequence of 118 rows (a partial last batch: 16 + 6 rows on the workers in the last
-    step), reshuffled by its on_epoch_end."""
+    """fit on a keras.utils.Sequence of 105 rows, reshuffled by its on_epoch_end: 7 batches of 16 on the workers,
+    an odd count, whose 7th (9 rows) the workers' last batches share (5 + 4), as one process's last batch of 32."""
     ids, rng = _ids(61)
-    ids, y = ids[:118], rng.normal(size=(118, 1)).astype(np.float32)
+    ids, y = ids[:105], rng.normal(size=(105, 1)).astype(np.float32)
     with scope():
         model = tf.keras.Sequential([tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB),
                                      tf.keras.layers.Flatten(), tf.keras.layers.Dense(1)])
@@ -809,6 +809,31 @@ def partial_last_batch_arrays(scope, batch):
         model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="mse", metrics=["mae"])
         history = model.fit(ids[:rows], y[:rows], sample_weight=weights[:rows], batch_size=batch, epochs=2,
                             shuffle=False, verbose=0)
+    model.logged = [np.array([history.history[key] for key in sorted(history.history)])]
+    return model
+
+
+def odd_batch_count_dataset(scope, batch):
+    """A tutorial's pipeline, shuffled with a seed and batched by the per-worker batch (16; no drop_remainder) with
+    prefetch, over 105 rows: 7 batches, an odd count on 2 workers. One process's last global batch (9 rows) is the
+    7th batch, whose rows the workers' last batches share (5 + 4). A sparse feature beside the ids,
+    BatchNormalization, Adam and a metric; every epoch's logs are kept."""
+    ids, rng = _ids(29)
+    features = rng.normal(size=(ROWS, 3)).astype(np.float32)
+    features[rng.uniform(size=(ROWS, 3)) < 0.5] = 0.0
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    rows = 105
+    data = tf.data.Dataset.from_tensor_slices(((ids[:rows], tf.sparse.from_dense(features[:rows])), y[:rows]))
+    data = data.shuffle(rows, seed=3).batch(batch).prefetch(tf.data.AUTOTUNE)
+    with scope():
+        ids_in, sparse_in = tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.Input((3,), sparse=True)
+        x = tf.keras.layers.GlobalAveragePooling1D()(tf.keras.layers.Embedding(VOCAB, EMB)(ids_in))
+        x = tf.keras.layers.Concatenate()([x, tf.keras.layers.Dense(3, use_bias=False)(sparse_in)])
+        x = tf.keras.layers.BatchNormalization()(tf.keras.layers.Dense(4, use_bias=False)(x))
+        model = tf.keras.Model([ids_in, sparse_in], tf.keras.layers.Dense(1)(x))
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="mse", metrics=["mae"])
+        history = model.fit(data, epochs=3, verbose=0)
     model.logged = [np.array([history.history[key] for key in sorted(history.history)])]
     return model
 
@@ -1345,7 +1370,7 @@ PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, mixed
                                     mask_zero_lstm_callbacks,
                                     custom_train_step, text_vectorization, lookup_layers, shared_layer, keras_callbacks,
                                     tf_data_known_cardinality, backup_and_restore_resume, partial_last_batch,
-                                    self_sharded_dataset, partial_last_batch_arrays,
+                                    self_sharded_dataset, partial_last_batch_arrays, odd_batch_count_dataset,
                                     masked_sequence_losses, own_loss_partial_batch, weighted_metrics_sample_weights,
                                     gru_conv1d_evaluate, seq2seq_gru, validation_summed_loss, stateful_lstm,
                                     run_eagerly_dense, two_optimizers,
