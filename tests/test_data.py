@@ -123,7 +123,8 @@ def test_the_last_batches_of_an_odd_count_are_split_by_rows_as_one_process_batch
     for ds, workers, why in (
             (tf.data.Dataset.range(9).batch(4), 2, "the last 1 batch(es) hold 1 row(s), fewer than the 2 workers"),
             (tf.data.Dataset.range(20).batch(4, drop_remainder=True), 3, "its batches have a fixed size (4"),
-            (tf.data.Dataset.range(6).map(lambda v: tf.range(v)).padded_batch(2), 2, "its batches' shapes vary"),
+            (tf.data.Dataset.range(6).map(lambda v: tf.range(v)).padded_batch(2).map(lambda b: b * 2), 2,
+             "its batches' shapes vary ((None, None)), and kparallax cannot tell how to pad them"),
             (tf.data.Dataset.from_tensor_slices(tf.ragged.constant([[1], [2, 3], [4]])).batch(1), 2, "ragged"),
             (tf.data.Dataset.range(9).filter(lambda v: v < 7).batch(2).apply(
                 tf.data.experimental.assert_cardinality(4)).take(3), 2, "cannot tell from the dataset how many")):
@@ -133,6 +134,40 @@ def test_the_last_batches_of_an_odd_count_are_split_by_rows_as_one_process_batch
     shrunk = tf.data.Dataset.range(12).batch(4).map(lambda b: b[:1])
     with pytest.raises(tf.errors.InvalidArgumentError, match="hold fewer rows than workers"):
         list(data.shard_dataset(shrunk, 2, 0))
+
+
+def _steps_of(shards, by):
+    """Each step's rows over all workers' shards, ordered by the ``by`` component of each row."""
+    steps = []
+    for batches in zip(*shards):
+        rows = [np.concatenate([batch[k] for batch in batches]) for k in range(2)]
+        order = np.argsort(rows[by], kind="stable")
+        steps.append([r[order] for r in rows])
+    return steps
+
+
+def test_padded_batches_are_padded_to_the_longest_in_their_step_as_one_process_pads_its_global_batch():
+    # A model that does not mask the padding (a pooling over time) sees one process's inputs only if each worker's
+    # batch is padded to the longest element of the step's global batch, with the dataset's padding value.
+    lengths = [3, 1, 5, 2, 4, 1, 2, 6, 1, 2]
+    rows = tf.data.Dataset.range(10).map(lambda k: (tf.fill([tf.gather(lengths, k)], k), k))
+    pad = (tf.constant(-1, tf.int64), tf.constant(0, tf.int64))
+    for workers in (2, 3):  # 5 batches of 2: the last rows split 1 + 1 on 2 workers, 2 + 1 + 1 on 3
+        one_process = list(rows.padded_batch(2 * workers, padding_values=pad).as_numpy_iterator())
+        dataset = rows.padded_batch(2, padding_values=pad).prefetch(1)
+        assert _warnings_of(lambda n=workers: data.shard_dataset(dataset, n, 0)) == []
+        shards = [list(data.shard_dataset(dataset, workers, i).as_numpy_iterator()) for i in range(workers)]
+        assert {len(shard) for shard in shards} == {len(one_process)}
+        for got, want in zip(_steps_of(shards, by=1), one_process):
+            np.testing.assert_array_equal(got[1], want[1])
+            np.testing.assert_array_equal(got[0], want[0])  # the same width and padding (-1) as one process's
+    # Repeated, with steps_per_epoch: the steps are padded alike, with no end.
+    shards = [list(data.shard_dataset(rows.padded_batch(2, padding_values=pad).repeat(), 2, i,
+                                      steps_per_epoch=4).take(3).as_numpy_iterator()) for i in range(2)]
+    assert [s[0].shape[1] for s in shards[0]] == [s[0].shape[1] for s in shards[1]] == [5, 6, 3]
+    # A map after the padded_batch hides the padding values: batches as they come (each its own width).
+    mapped = rows.padded_batch(2, padding_values=pad).map(lambda x, k: (x, k)).take(4)
+    assert [b[0].shape[1] for b in data.shard_dataset(mapped, 2, 0).as_numpy_iterator()] == [3, 4]
 
 
 def test_a_dataset_sharded_per_worker_by_the_user_is_refused_unless_marked():

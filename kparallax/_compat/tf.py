@@ -243,10 +243,13 @@ def order_seeds(dataset):
     return _static_int(dataset._seed), _static_int(dataset._seed2)  # pylint: disable=protected-access
 
 
-# Datasets that give one element per element of their input, unchanged in count and, as far as kparallax can tell,
-# in rows (a ``map`` could change a batch's rows; the split of the last batches checks their rows when it runs).
-_ONE_TO_ONE = ("_PrefetchDataset", "_OptionsDataset", "CacheDataset", "_MapDataset", "_ParallelMapDataset",
-               "_AssertCardinalityDataset")
+# Datasets that give their input's elements as they are; and those that give one element per element of their
+# input, unchanged in count and, as far as kparallax can tell, in rows (a ``map`` could change a batch's rows; the
+# split of the last batches checks their rows when it runs).
+_SAME_ELEMENTS = ("_PrefetchDataset", "_OptionsDataset", "CacheDataset", "_AssertCardinalityDataset")
+_ONE_TO_ONE = _SAME_ELEMENTS + ("_MapDataset", "_ParallelMapDataset")
+# Datasets that pass on some of their input's elements, unchanged, in another count or order.
+_PASSED_ON = ("_RepeatDataset", "_TakeDataset", "_SkipDataset", "_ShuffleDataset")
 _BATCHING = ("_BatchDataset", "_ParallelBatchDataset", "_PaddedBatchDataset")
 
 
@@ -265,6 +268,18 @@ def batching(dataset):
         return None
     rows = int(current._input_dataset.cardinality())  # pylint: disable=protected-access
     return size, (rows if rows >= 0 else None)
+
+
+def padding_values(dataset):
+    """The ``padding_values`` (a structure like the elements', of scalar tensors) of the ``padded_batch`` that makes
+    ``dataset``'s elements, found under datasets that pass its elements on unchanged (``prefetch``, ``cache``,
+    options, ``repeat``, ``take``, ``skip``, ``shuffle``); else None. Reads ``_PaddedBatchDataset``'s ``_padding_values`` (TF 2.15)."""
+    current = dataset
+    while type(current).__name__ in _SAME_ELEMENTS + _PASSED_ON:
+        current = current._input_dataset  # pylint: disable=protected-access
+    if type(current).__name__ != "_PaddedBatchDataset":
+        return None
+    return current._padding_values  # pylint: disable=protected-access
 
 
 def _static_int(tensor):

@@ -9,8 +9,9 @@ included (the workers' last batches then differ by at most a row), unless it has
 A ``tf.data.Dataset`` (already batched, as Keras expects) is split by whole batches: worker ``i`` keeps batches
 ``i, i+N, ...`` (``Dataset.shard``). When the batch count is not a multiple of ``N``, the rows of the last
 ``count % N`` batches (one process's last global batch) are split by striding into the workers' last batches, where
-the dataset shows that they can be (``_last_rows_blocker``); otherwise those batches are left out, so that every
-worker runs the same number of steps. A dataset of unknown length needs ``steps_per_epoch``.
+the dataset shows that they can be; otherwise those batches are left out, so that every worker runs the same number
+of steps. The batches of a ``padded_batch`` are padded to the longest in their step, as one process pads its global
+batch (``dataset_split``). A dataset of unknown length needs ``steps_per_epoch``.
 
 A ``keras.utils.Sequence`` is split by whole batches too (batches ``i, i+N, ...`` of its ``__getitem__``: each
 worker loads its own batches only; the rows of its last ``len % N`` batches as a dataset's), a Python generator by
@@ -30,6 +31,7 @@ import tensorflow as tf
 
 from kparallax import log as logging
 from kparallax._compat import tf as tf_compat
+from kparallax.core import dataset_split
 
 
 def _rows(a):
@@ -84,27 +86,16 @@ def shard_arrays(structure, num_workers, index, batch_size=None):
         logging.warning("fit trains on %d of the %d rows in each epoch: the last %d row(s), which one process would "
                         "train on, are left out: %s. Give a row count without such a remainder to train on every "
                         "row.", usable, n, n - usable, why)
-    return tf.nest.map_structure(lambda a: None if a is None else _stride(a, index, usable, num_workers), structure)
-
-
-def _stride(a, index, usable, num_workers):
-    """Rows ``index, index + num_workers, ...`` below ``usable`` of ``a``."""
-    if isinstance(a, tf.SparseTensor):  # not subscriptable: keep the rows' entries, renumber the rows
-        rows = a.indices[:, 0]
-        kept = tf.sparse.retain(a, tf.logical_and(rows < usable, rows % num_workers == index))
-        indices = tf.concat([kept.indices[:, :1] // num_workers, kept.indices[:, 1:]], axis=1)
-        count = tf.cast((usable - index + num_workers - 1) // num_workers, tf.int64)
-        dense_shape = tf.concat([[count], a.dense_shape[1:]], axis=0)
-        return tf.SparseTensor(indices, kept.values, dense_shape)
-    return a[index:usable:num_workers]
+    return tf.nest.map_structure(lambda a: None if a is None else dataset_split.stride(a, index, usable, num_workers), structure)
 
 
 def shard_dataset(dataset, num_workers, index, steps_per_epoch=None):
     """Shards a batched dataset by whole batches so every worker runs the same number of steps.
 
     When the batch count is not a multiple of the workers, the last global batch is made of the rows of the last
-    ``batches % num_workers`` batches, split by striding (as arrays are split), where ``_last_rows_blocker`` finds
-    nothing against it; otherwise those batches are left out, with a warning from worker 0 saying why."""
+    ``batches % num_workers`` batches, split by striding (as arrays are split), where
+    ``dataset_split.last_rows_blocker`` finds nothing against it; otherwise those batches are left out, with a
+    warning from worker 0 saying why. Batches of a ``padded_batch`` are padded to the longest in their step."""
     _check_shardable(dataset, num_workers)
     cardinality = int(dataset.cardinality())
     if cardinality == tf.data.UNKNOWN_CARDINALITY and steps_per_epoch is None:
@@ -112,12 +103,13 @@ def shard_dataset(dataset, num_workers, index, steps_per_epoch=None):
             "The dataset's length is unknown, so kparallax cannot give every worker the same number of steps. "
             "Pass steps_per_epoch=..., or declare the length with "
             "dataset.apply(tf.data.experimental.assert_cardinality(n)). Received: cardinality=UNKNOWN.")
+    padding = dataset_split.padding_values(dataset)
     if cardinality >= 0:
         blocker = None
         if cardinality % num_workers:
-            blocker = _last_rows_blocker(dataset, cardinality, num_workers)
+            blocker = dataset_split.last_rows_blocker(dataset, cardinality, num_workers, padding)
             if blocker is None:
-                return _split_last_rows(dataset, cardinality, num_workers, index)
+                return dataset_split.split(dataset, cardinality, num_workers, index, padding)
         usable = cardinality - cardinality % num_workers
         if usable == 0:
             raise ValueError(f"The dataset has {cardinality} batch(es), fewer than the {num_workers} workers"
@@ -126,86 +118,9 @@ def shard_dataset(dataset, num_workers, index, steps_per_epoch=None):
         if index == 0 and blocker is not None:
             _warn_batches_left_out("dataset", usable, cardinality, num_workers, blocker)
         dataset = dataset.take(usable)
+    if padding is not None:
+        return dataset_split.split(dataset, usable if cardinality >= 0 else None, num_workers, index, padding)
     return dataset.shard(num_workers, index)
-
-
-def _last_rows_blocker(dataset, batches, num_workers):
-    """Why the rows of ``dataset``'s last ``batches % num_workers`` batches cannot be split over the workers (a
-    sentence), or None when they can: batches of dense tensors of fixed inner shapes (so that they concatenate) and
-    sparse tensors, whose batch dimension is not fixed (a fixed one, ``drop_remainder=True``, asks for batches of
-    that size), made by a ``batch`` whose size and input rows show that those batches hold a row for each worker."""
-    for spec in tf.nest.flatten(dataset.element_spec):
-        if isinstance(spec, tf.RaggedTensorSpec):
-            return "it holds ragged tensors, which tf.data cannot join in its state (TF 2.15)"
-        if not isinstance(spec, (tf.TensorSpec, tf.SparseTensorSpec)) or not spec.shape.rank:
-            return f"its elements are not batches of tensors (a {spec})"
-        if spec.shape[0] is not None:
-            return (f"its batches have a fixed size ({spec.shape[0]}: drop_remainder=True), and a last batch of the "
-                    f"split rows would not")
-        if isinstance(spec, tf.TensorSpec) and not spec.shape[1:].is_fully_defined():
-            return (f"its batches' shapes vary ({spec.shape}: padded_batch to each batch's longest element, say), "
-                    f"so they do not concatenate")
-    found = tf_compat.batching(dataset)
-    if found is None:
-        return "kparallax cannot tell from the dataset how many rows they hold (no batch with a static size last)"
-    batch_size, rows = found
-    last = batches % num_workers
-    least = rows - (batches - last) * batch_size if rows is not None else (last - 1) * batch_size + 1
-    if least < num_workers:
-        held = f"hold {least} row(s)" if rows is not None else "may hold just 1 row"
-        return f"the last {last} batch(es) {held}, fewer than the {num_workers} workers"
-    return None
-
-
-def _no_rows(spec):
-    """A value of ``spec`` (batches of dense tensors of fixed inner shape, or sparse ones) with no rows."""
-    if isinstance(spec, tf.SparseTensorSpec):
-        rank = spec.shape.rank
-        return tf.SparseTensor(tf.zeros([0, rank], tf.int64), tf.zeros([0], spec.dtype),
-                               [0] + [d or 0 for d in spec.shape[1:]])
-    return tf.zeros([0] + spec.shape[1:].as_list(), spec.dtype)
-
-
-def _joined(a, b):
-    if isinstance(a, tf.SparseTensor):
-        return tf.sparse.concat(0, [a, b], expand_nonconcat_dims=True)
-    return tf.concat([a, b], 0)
-
-
-def _rows_of(structure):
-    first = tf.nest.flatten(structure, expand_composites=False)[0]
-    return first.dense_shape[0] if isinstance(first, tf.SparseTensor) else tf.shape(first, out_type=tf.int64)[0]
-
-
-def _split_last_rows(dataset, batches, num_workers, index):
-    """Worker ``index``'s batches ``index, index + N, ...`` of the first ``batches - batches % N``, then one batch of
-    the rows ``index, index + N, ...`` of the last ``batches % N`` batches joined: one process's last global batch,
-    split as arrays are. One pass over the dataset, as ``Dataset.shard`` (which reads every batch) makes: a ``scan``
-    keeps the last batches' rows until the last one arrives."""
-    first_last = batches - batches % num_workers
-
-    def step(kept, position_and_batch):
-        position, batch = position_and_batch
-        is_last = position >= first_last
-        kept = tf.cond(is_last, lambda: tf.nest.map_structure(_joined, kept, batch), lambda: kept)
-        rows = _rows_of(kept)
-        check = tf.debugging.assert_greater_equal(
-            tf.where(position == batches - 1, rows, num_workers), tf.cast(num_workers, tf.int64),
-            message=f"fit splits the rows of the dataset's last {batches - first_last} batch(es) over the "
-                    f"{num_workers} workers, and they hold fewer rows than workers (a map after the batch that changes "
-                    f"its rows?): every worker needs a row in every step. Received: their row count")
-        with tf.control_dependencies([check]):
-            out = tf.cond(is_last, lambda: tf.nest.map_structure(lambda t: _stride(t, index, rows, num_workers), kept),
-                          lambda: batch)
-        return kept, (tf.logical_or(tf.logical_not(is_last), position == batches - 1), out)
-
-    start = tf.nest.map_structure(_no_rows, dataset.element_spec)
-    split = (dataset.enumerate()
-             .filter(lambda position, batch: tf.logical_or(position % num_workers == index, position >= first_last))
-             .scan(start, step)
-             .filter(lambda emit, batch: emit)
-             .map(lambda emit, batch: batch))
-    return split.apply(tf.data.experimental.assert_cardinality(first_last // num_workers + 1))
 
 
 class _SequenceShard(tf.keras.utils.Sequence):

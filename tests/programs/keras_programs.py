@@ -838,6 +838,26 @@ def odd_batch_count_dataset(scope, batch):
     return model
 
 
+def padded_sequences(scope, batch):
+    """Sequences of 2 to 11 ids over 105 rows, padded_batch to each batch's longest (7 batches of 16 on the workers,
+    an odd count). No mask: an Embedding, a Conv1D and GlobalAveragePooling1D see the padding, so each worker's batch
+    must be padded as one process pads its global batch. Adam; every epoch's loss is kept."""
+    rng = np.random.default_rng(31)
+    ids, lengths = rng.integers(1, VOCAB, size=(105, 11)), rng.integers(2, 12, size=105)
+    y = rng.normal(size=(105, 1)).astype(np.float32)
+    data = tf.data.Dataset.from_tensor_slices((ids, lengths, y)).map(lambda row, length, target: (row[:length], target))
+    data = data.padded_batch(batch)
+    with scope():
+        ids = tf.keras.Input((None,), dtype=tf.int64)
+        x = tf.keras.layers.Conv1D(4, 3, padding="same", activation="relu")(tf.keras.layers.Embedding(VOCAB, EMB)(ids))
+        model = tf.keras.Model(ids, tf.keras.layers.Dense(1)(tf.keras.layers.GlobalAveragePooling1D()(x)))
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="mse")
+        history = model.fit(data, epochs=2, verbose=0)
+    model.logged = [np.array(history.history["loss"])]
+    return model
+
+
 class OwnLossStep(tf.keras.Model):
     """A subclassed model whose own train_step computes its loss (no compiled loss): a mean squared error plus the
     model's losses (an activity regularizer's), through BatchNormalization on images (Keras' fused kernel) and on a
@@ -1370,7 +1390,7 @@ PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, mixed
                                     mask_zero_lstm_callbacks,
                                     custom_train_step, text_vectorization, lookup_layers, shared_layer, keras_callbacks,
                                     tf_data_known_cardinality, backup_and_restore_resume, partial_last_batch,
-                                    self_sharded_dataset, partial_last_batch_arrays, odd_batch_count_dataset,
+                                    self_sharded_dataset, partial_last_batch_arrays, odd_batch_count_dataset, padded_sequences,
                                     masked_sequence_losses, own_loss_partial_batch, weighted_metrics_sample_weights,
                                     gru_conv1d_evaluate, seq2seq_gru, validation_summed_loss, stateful_lstm,
                                     run_eagerly_dense, two_optimizers,

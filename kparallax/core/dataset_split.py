@@ -1,0 +1,183 @@
+"""How a batched ``tf.data.Dataset`` is split into the workers' steps where whole batches do not do it.
+
+``data.shard_dataset`` gives worker ``i`` of ``N`` the batches ``i, i+N, ...``: step ``k`` trains on batches
+``kN .. kN+N-1``, one process's global batch ``k`` with batches of ``N`` times the rows. Two cases need more, and get
+it from one pass over the dataset (a ``scan`` over its enumerated batches, which every worker reads whole anyway, as
+``Dataset.shard`` does):
+
+* **A batch count that is not a multiple of N.** One process's last global batch is the rows of the last
+  ``count % N`` batches. They are joined and split by striding (worker ``i`` keeps rows ``i, i+N, ...``), as arrays
+  are split, when ``last_rows_blocker`` finds nothing against it.
+* **``padded_batch`` to each batch's longest element.** One process pads its global batch to the longest element in
+  it; each worker's batch is padded to the longest in the step's ``N`` batches, with the dataset's padding values, so
+  that a model that does not mask the padding (a pooling over time, a convolution) sees one process's inputs.
+"""
+
+import tensorflow as tf
+
+from kparallax._compat import tf as tf_compat
+
+
+def padding_values(dataset):
+    """The padding value of each component of ``dataset``'s batches (flattened, None where no padding is needed),
+    when they come from a ``padded_batch`` and some are padded to each batch's longest element; else None."""
+    values = tf_compat.padding_values(dataset)
+    if values is None:
+        return None
+    specs = tf.nest.flatten(dataset.element_spec)
+    padded = [value if isinstance(spec, tf.TensorSpec) and not spec.shape[1:].is_fully_defined() else None
+              for spec, value in zip(specs, tf.nest.flatten(values))]
+    return padded if any(value is not None for value in padded) else None
+
+
+def last_rows_blocker(dataset, batches, num_workers, padding=None):
+    """Why the rows of ``dataset``'s last ``batches % num_workers`` batches cannot be split over the workers (a
+    sentence), or None when they can: batches of dense tensors of fixed inner shapes or padded by a
+    ``padded_batch`` (``padding``), and sparse tensors, whose batch dimension is not fixed (a fixed one,
+    ``drop_remainder=True``, asks for batches of that size), made by a ``batch`` whose size and input rows show that
+    those batches hold a row for each worker."""
+    pads = padding or [None] * len(tf.nest.flatten(dataset.element_spec))
+    for spec, pad in zip(tf.nest.flatten(dataset.element_spec), pads):
+        if isinstance(spec, tf.RaggedTensorSpec):
+            return "it holds ragged tensors, which tf.data cannot join in its state (TF 2.15)"
+        if not isinstance(spec, (tf.TensorSpec, tf.SparseTensorSpec)) or not spec.shape.rank:
+            return f"its elements are not batches of tensors (a {spec})"
+        if spec.shape[0] is not None:
+            return (f"its batches have a fixed size ({spec.shape[0]}: drop_remainder=True), and a last batch of the "
+                    f"split rows would not")
+        if isinstance(spec, tf.TensorSpec) and not spec.shape[1:].is_fully_defined() and pad is None:
+            return (f"its batches' shapes vary ({spec.shape}), and kparallax cannot tell how to pad them (no "
+                    f"padded_batch last), so they do not concatenate")
+    found = tf_compat.batching(dataset)
+    if found is None:
+        return "kparallax cannot tell from the dataset how many rows they hold (no batch with a static size last)"
+    batch_size, rows = found
+    last = batches % num_workers
+    least = rows - (batches - last) * batch_size if rows is not None else (last - 1) * batch_size + 1
+    if least < num_workers:
+        held = f"hold {least} row(s)" if rows is not None else "may hold just 1 row"
+        return f"the last {last} batch(es) {held}, fewer than the {num_workers} workers"
+    return None
+
+
+def split(dataset, batches, num_workers, index, padding=None):
+    """Worker ``index``'s batches of ``dataset``: ``index, index + N, ...``, then, when ``batches`` (None: not known,
+    no end) is not a multiple of N, the rows ``index, index + N, ...`` of the last ``batches % N`` joined; with
+    ``padding`` (``padding_values``), each padded to the longest in its step's batches."""
+    first_last = batches - batches % num_workers if batches is not None else None
+    specs = tf.nest.flatten(dataset.element_spec)
+    pads = padding or [None] * len(specs)
+    empty = tf.nest.map_structure(_no_rows, dataset.element_spec)
+
+    def in_last(position):
+        return tf.constant(False) if first_last is None else position >= first_last
+
+    def joined(kept, batch):
+        flat = [_joined(a, b, pad) for a, b, pad in zip(tf.nest.flatten(kept, expand_composites=False),
+                                                         tf.nest.flatten(batch, expand_composites=False), pads)]
+        return tf.nest.pack_sequence_as(dataset.element_spec, flat)
+
+    def step(state, position_and_batch):
+        kept, longest = state
+        position, batch = position_and_batch
+        last = in_last(position)
+
+        def own():
+            return tf.cond(position % num_workers == index, lambda: batch, lambda: kept)
+
+        if first_last is None:
+            kept = own()
+        else:  # the last batches are joined, from no rows at the first of them
+            kept = tf.cond(last, lambda: joined(tf.cond(position == first_last, lambda: empty, lambda: kept), batch),
+                           own)
+        flat = tf.nest.flatten(batch, expand_composites=False)
+        longest = tuple(tf.where(position % num_workers == 0, tf.shape(flat[k])[1:],
+                                 tf.maximum(previous, tf.shape(flat[k])[1:]))
+                        for k, previous in zip(_padded(pads), longest))
+        if padding is None:  # only the worker's own batches and the last ones come: each own batch is a step
+            end = tf.logical_not(last)
+        else:
+            end = position % num_workers == num_workers - 1
+        if batches is not None:
+            end = tf.logical_or(end, position == batches - 1)
+        out = _padded_to(kept, longest, pads, dataset.element_spec)
+        if first_last is not None:
+            out = tf.cond(tf.logical_and(last, end), lambda: _striped(out, index, num_workers, batches - first_last),
+                          lambda: out)
+        return (kept, longest), (end, out)
+
+    start = (empty, tuple(tf.zeros([specs[k].shape.rank - 1], tf.int32) for k in _padded(pads)))
+    positions = dataset.enumerate()
+    if padding is None:  # only the worker's own batches and the last ones matter
+        positions = positions.filter(
+            lambda position, batch: tf.logical_or(position % num_workers == index, in_last(position)))
+    out = (positions.scan(start, step)
+           .filter(lambda end, batch: end)
+           .map(lambda end, batch: batch))
+    if batches is None:
+        return out
+    return out.apply(tf.data.experimental.assert_cardinality(-(-batches // num_workers)))
+
+
+def _padded(pads):
+    return [k for k, pad in enumerate(pads) if pad is not None]
+
+
+def _padded_to(structure, longest, pads, spec):
+    """``structure`` with each padded component padded to ``longest`` (its inner dimensions)."""
+    flat = tf.nest.flatten(structure, expand_composites=False)
+    for k, target in zip(_padded(pads), longest):
+        flat[k] = _pad(flat[k], target, pads[k])
+    return tf.nest.pack_sequence_as(spec, flat)
+
+
+def _pad(tensor, inner, value):
+    """``tensor`` padded with ``value`` at the end of each inner dimension to ``inner`` (where it is shorter: the
+    scan computes an output for every batch, and keeps those at the steps' ends only)."""
+    shape = tf.shape(tensor)
+    paddings = tf.stack([tf.zeros_like(shape), tf.concat([[0], tf.maximum(inner - shape[1:], 0)], 0)], axis=1)
+    return tf.pad(tensor, paddings, constant_values=tf.cast(value, tensor.dtype))
+
+
+def _striped(structure, index, num_workers, last_batches):
+    """Rows ``index, index + N, ...`` of every component of the joined last batches."""
+    first = tf.nest.flatten(structure, expand_composites=False)[0]
+    rows = first.dense_shape[0] if isinstance(first, tf.SparseTensor) else tf.shape(first, out_type=tf.int64)[0]
+    check = tf.debugging.assert_greater_equal(
+        rows, tf.cast(num_workers, tf.int64),
+        message=f"fit splits the rows of the dataset's last {last_batches} batch(es) over the {num_workers} workers, "
+                f"and they hold fewer rows than workers (a map after the batch that changes its rows?): every worker "
+                f"needs a row in every step. Received: their row count")
+    with tf.control_dependencies([check]):
+        return tf.nest.map_structure(lambda t: stride(t, index, rows, num_workers), structure)
+
+
+def stride(t, index, usable, num_workers):
+    """Rows ``index, index + num_workers, ...`` below ``usable`` of ``t`` (an array, a dense, ragged or sparse
+    tensor): how arrays and the joined last batches of a dataset are split over the workers."""
+    if isinstance(t, tf.SparseTensor):  # not subscriptable: keep the rows' entries, renumber the rows
+        rows = t.indices[:, 0]
+        kept = tf.sparse.retain(t, tf.logical_and(rows < usable, rows % num_workers == index))
+        indices = tf.concat([kept.indices[:, :1] // num_workers, kept.indices[:, 1:]], axis=1)
+        count = tf.cast((usable - index + num_workers - 1) // num_workers, tf.int64)
+        return tf.SparseTensor(indices, kept.values, tf.concat([[count], t.dense_shape[1:]], axis=0))
+    return t[index:usable:num_workers]
+
+
+def _no_rows(spec):
+    """A value of ``spec`` (batches of dense or sparse tensors) with no rows; unknown inner dimensions are 0."""
+    if isinstance(spec, tf.SparseTensorSpec):
+        return tf.SparseTensor(tf.zeros([0, spec.shape.rank], tf.int64), tf.zeros([0], spec.dtype),
+                               [0] + [d or 0 for d in spec.shape[1:]])
+    return tf.zeros([0] + [d or 0 for d in spec.shape[1:]], spec.dtype)
+
+
+def _joined(a, b, pad):
+    """``a`` and ``b`` concatenated along the rows; padded with ``pad`` (not None) to the longer of each inner
+    dimension first."""
+    if isinstance(a, tf.SparseTensor):
+        return tf.sparse.concat(0, [a, b], expand_nonconcat_dims=True)
+    if pad is not None:
+        inner = tf.maximum(tf.shape(a)[1:], tf.shape(b)[1:])
+        a, b = _pad(a, inner, pad), _pad(b, inner, pad)
+    return tf.concat([a, b], 0)
