@@ -273,7 +273,8 @@ def batching(dataset):
 def padding_values(dataset):
     """The ``padding_values`` (a structure like the elements', of scalar tensors) of the ``padded_batch`` that makes
     ``dataset``'s elements, found under datasets that pass its elements on unchanged (``prefetch``, ``cache``,
-    options, ``repeat``, ``take``, ``skip``, ``shuffle``); else None. Reads ``_PaddedBatchDataset``'s ``_padding_values`` (TF 2.15)."""
+    options, ``repeat``, ``take``, ``skip``, ``shuffle``); else None. Reads ``_PaddedBatchDataset``'s
+    ``_padding_values`` (TF 2.15)."""
     current = dataset
     while type(current).__name__ in _SAME_ELEMENTS + _PASSED_ON:
         current = current._input_dataset  # pylint: disable=protected-access

@@ -86,7 +86,8 @@ def shard_arrays(structure, num_workers, index, batch_size=None):
         logging.warning("fit trains on %d of the %d rows in each epoch: the last %d row(s), which one process would "
                         "train on, are left out: %s. Give a row count without such a remainder to train on every "
                         "row.", usable, n, n - usable, why)
-    return tf.nest.map_structure(lambda a: None if a is None else dataset_split.stride(a, index, usable, num_workers), structure)
+    return tf.nest.map_structure(
+        lambda a: None if a is None else dataset_split.stride(a, index, usable, num_workers), structure)
 
 
 def shard_dataset(dataset, num_workers, index, steps_per_epoch=None):
