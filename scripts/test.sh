@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command: sets up .venv, then runs every tier (single-process, in-process servers, multi-process).
 #   scripts/test.sh           everything (what CI runs)
-#   scripts/test.sh --fast    one process only: in-process PS server, Horovod of size 1 (about three minutes)
+#   scripts/test.sh --fast    one process only: in-process PS server, Horovod of size 1 (about five to six minutes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh

@@ -254,6 +254,66 @@ def test_row_wise_constraints_of_a_partitioned_table_train_like_plain_keras(stra
         assert binding[type(constraint).__name__](plain.get_layer("plain_constrained_embedding").get_weights()[0])
 
 
+def test_ids_outside_a_partitioned_table_are_named_as_one_process_names_them(strategy):
+    """A shard sees row id // 3 of its 20: without the check, TensorFlow's error named that row and 20 rows."""
+    x, y = _data()
+    bad = x.copy()
+    bad[37, 1] = 70
+    plain = _model("plain_ids")
+    plain.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"= 70 is not in \[0, 60\)"):
+        plain.fit(bad, y, batch_size=16, verbose=0)
+    with kp.HybridStrategy(strategy.cluster, partitions=3).scope():
+        model = _model("fast_ids")
+        model.compile(optimizer="sgd", loss="mse")
+    assert len(model.get_layer("fast_ids_embedding").weights) == 3
+    for value in (70, -3, 60):
+        bad[37, 1] = value
+        for run in (lambda: model.fit(bad, y, batch_size=16, verbose=0), lambda: model.evaluate(bad, y, verbose=0),
+                    lambda: model.predict(bad, verbose=0)):
+            with pytest.raises(ValueError, match=rf"holds id {value}, outside an embedding table of 60 rows"):
+                run()
+    model.fit(x, y, batch_size=16, verbose=0)  # ids in [0, 60) train
+
+
+class _SafeLookup(tf.keras.Model):
+    """Averages the rows of each example's ids with tf.nn.safe_embedding_lookup_sparse, which drops negative ids."""
+
+    def __init__(self, name):
+        super().__init__(name=name)
+        self.embedding = tf.keras.layers.Embedding(VOCAB, EMB, name=f"{name}_embedding")
+        self.out = tf.keras.layers.Dense(1, name=f"{name}_out")
+
+    def build(self, input_shape):
+        self.embedding.build(input_shape)
+        super().build(input_shape)
+
+    def call(self, ids):
+        ids = tf.cast(ids, tf.int64)
+        sparse = tf.SparseTensor(tf.where(tf.ones_like(ids, tf.bool)), tf.reshape(ids, [-1]), tf.shape(ids, tf.int64))
+        return self.out(tf.nn.safe_embedding_lookup_sparse(self.embedding.embeddings, sparse, combiner="mean"))
+
+
+def test_safe_sparse_lookups_of_a_partitioned_table_drop_negative_ids_as_one_process(strategy):
+    x, y = _data()
+    x = np.where(x % 4 == 3, -1, x)  # -1: no id here
+    results = []
+    for name, scope in (("plain_safe", contextlib.nullcontext()),
+                        ("fast_safe", kp.HybridStrategy(strategy.cluster, partitions=3).scope())):
+        with scope:
+            model = _SafeLookup(name)
+            model.build((None, LEN))
+            model.set_weights(_initial(model))
+            model.compile(optimizer=tf.keras.optimizers.Adagrad(0.2), loss="mse")
+        loss = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history["loss"]
+        results.append((model, loss))
+    (plain, expected), (model, loss) = results
+    assert len(model.embedding.weights) == 3 and (x == -1).sum() > 20
+    np.testing.assert_allclose(loss, expected, rtol=1e-5)
+    for got, want in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("constraint", [tf.keras.constraints.MaxNorm(0.5), tf.keras.constraints.UnitNorm(axis=0),
                                         lambda table: table / tf.reduce_max(table)], ids=["maxnorm", "unitnorm", "lambda"])
 def test_a_constraint_across_rows_of_a_partitioned_table_is_refused(strategy, constraint):

@@ -56,6 +56,21 @@ def test_failing_worker_ends_the_run_with_its_code(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_the_worker_whose_error_stopped_the_run_is_named_not_the_one_left_waiting(tmp_path):
+    """Worker 1's batch holds an id past a striped table: its error (the id and the table's rows, as one process
+    names them) is the cause the launcher names, though worker 0, whose collective Horovod shut down, often exits
+    first; worker 0 says in one line why it stopped."""
+    run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "worker_behaviour.py"), "bad_id_rank1"],
+                            log_dir=str(tmp_path), workers=2, ps=1, timeout=120)
+    assert run.returncode == 1, run.report()
+    assert "worker 1 failed with exit code 1" in run.output, run.report()
+    assert ("ValueError: The input holds id 70, outside an embedding table of 60 rows" in run.output.split(
+        "worker 1's log")[-1]), run.report()
+    assert "RuntimeError: This worker stopped because another worker failed" in run.logs()["worker-0.log"]
+    assert "Graph execution error" not in run.logs()["worker-0.log"], run.report()
+
+
+@pytest.mark.multiprocess
 def test_two_workers_with_the_same_index(tmp_path):
     run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "worker_behaviour.py"), "same_index"],
                             log_dir=str(tmp_path), workers=2, ps=1, timeout=120)

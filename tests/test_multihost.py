@@ -170,6 +170,21 @@ def test_killing_a_ps_on_one_host_stops_both_hosts(hosts, tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_the_worker_whose_error_stopped_the_run_is_named_on_every_host(hosts, tmp_path):
+    """Worker 1 (host 1) fails on an id past its table; worker 0 (host 0), whose collective Horovod shut down, may
+    exit first: host 0's launcher names worker 1 on host 1, not its own worker."""
+    launchers = _start_hosts(hosts, _cluster_file(tmp_path), tmp_path, [
+        "--quiet", "--timeout", "120", "--", sys.executable, os.path.join(PROGRAMS, "worker_behaviour.py"),
+        "bad_id_rank1"], order=(0, 1))
+    outputs = _wait_all(launchers, 180)
+    assert all(p.returncode == 1 for p in launchers), outputs
+    assert "worker 1 failed with exit code 1" in outputs[1], outputs[1][-3000:]
+    assert "The input holds id 70, outside an embedding table of 60 rows" in outputs[1], outputs[1][-3000:]
+    assert f"worker 1 on host 1 ({ADDRESSES[1]}) failed with exit code 1" in outputs[0], outputs[0][-3000:]
+    assert "This worker stopped because another worker failed" in (tmp_path / "host0" / "worker-0.log").read_text()
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["per-host", "ssh"])
 def test_max_restarts_across_two_hosts_resumes_to_the_unbroken_run(hosts, tmp_path, mode):
     """Worker 1 (host 1) SIGKILLs itself at step 12 (checkpoints every 5) under --max_restarts 2: the hosts agree on

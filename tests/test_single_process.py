@@ -100,5 +100,5 @@ def test_an_id_outside_the_table_is_explained():
         model = tf.keras.Sequential([tf.keras.Input((3,), dtype=tf.int32), tf.keras.layers.Embedding(10, 2),
                                      tf.keras.layers.Flatten(), tf.keras.layers.Dense(1)])
         model.compile(optimizer="sgd", loss="mse")
-        with pytest.raises(ValueError, match=r"The input holds id 12, outside an embedding table .* of 10 rows"):
+        with pytest.raises(ValueError, match=r"The input holds id 12, outside an embedding table of 10 rows"):
             model.fit(np.array([[1, 2, 12]] * 4), np.zeros((4, 1)), batch_size=2, verbose=0)

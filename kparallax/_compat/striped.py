@@ -132,7 +132,8 @@ class StripedVariable(_sharded.ShardedVariable):
         return tf.dynamic_partition(indices // parts, shard, parts), shard
 
     def sparse_read(self, indices, name=None):
-        return _embedding.embedding_lookup(self._variables, indices, partition_strategy="mod", name=name)
+        return _embedding.embedding_lookup(self._variables, _checked(self, indices), partition_strategy="mod",
+                                           name=name)
 
     def _gather_saveables_for_checkpoint(self):
         return {_trackable.VARIABLE_VALUE_KEY: lambda name=self.name: _WholeTableSaveable(self, name)}
@@ -208,40 +209,67 @@ def _shards(params):
     return list((params[0] if isinstance(params, list) else params).variables)
 
 
+# The message of a striped lookup's id check; keras_hooks._explained reads it (and the three values after it).
+ID_CHECK_MESSAGE = "kparallax: an id outside the table; smallest id, largest id, table rows:"
+
+
+def _checked(params, ids, negative_ok=False):
+    """``ids`` (a tensor, ragged or sparse), after a check that every id is a row of the striped table.
+
+    Without it an id past the table reaches shard ``id % P`` as row ``id // P``: TensorFlow's error then names that
+    row and the shard's size, not the id and the table's, and a negative id can fail on another shard. One process's
+    gather names the id; so does this check, at the cost of a min and a max over the ids. ``negative_ok``: the safe
+    sparse lookups drop negative ids, as they do for one table.
+    """
+    rows = sum(int(v.shape[0]) for v in _shards(params))
+    values = ids.flat_values if isinstance(ids, tf.RaggedTensor) else ids.values if isinstance(
+        ids, tf.SparseTensor) else tf.convert_to_tensor(ids)
+    low, high = tf.reduce_min(values), tf.reduce_max(values)
+    check = tf.debugging.Assert(tf.logical_and(negative_ok or low >= 0, high < tf.cast(rows, high.dtype)),
+                                [ID_CHECK_MESSAGE, low, high, rows])
+    with tf.control_dependencies([check]):
+        values = tf.identity(values)
+    if isinstance(ids, tf.RaggedTensor):
+        return ids.with_flat_values(values)
+    if isinstance(ids, tf.SparseTensor):
+        return tf.SparseTensor(ids.indices, values, ids.dense_shape)
+    return values
+
+
 # Every embedding lookup of a striped table is a "mod" lookup of its shards, whatever partition_strategy the
 # caller names: the strategy describes how a list of tensors splits a table; this table's split is fixed.
 @_dispatch.dispatch_for_api(_embedding.embedding_lookup_v2, {"params": _Params})
 def _lookup_v2(params, ids, max_norm=None, name=None):
-    return _embedding.embedding_lookup(_shards(params), ids, "mod", name, max_norm=max_norm)
+    return _embedding.embedding_lookup(_shards(params), _checked(params, ids), "mod", name, max_norm=max_norm)
 
 
 @_dispatch.dispatch_for_api(_embedding.embedding_lookup, {"params": _Params})
 def _lookup_v1(params, ids, partition_strategy="mod", name=None, validate_indices=True, max_norm=None):
     del partition_strategy
-    return _embedding.embedding_lookup(_shards(params), ids, "mod", name, validate_indices, max_norm)
+    return _embedding.embedding_lookup(_shards(params), _checked(params, ids), "mod", name, validate_indices, max_norm)
 
 
 @_dispatch.dispatch_for_api(_embedding.embedding_lookup_sparse_v2, {"params": _Params})
 def _lookup_sparse_v2(params, sp_ids, sp_weights, combiner=None, max_norm=None, name=None,
                       allow_fast_lookup=False):
-    return _embedding.embedding_lookup_sparse(_shards(params), sp_ids, sp_weights, "mod", name, combiner, max_norm,
-                                              allow_fast_lookup)
+    return _embedding.embedding_lookup_sparse(_shards(params), _checked(params, sp_ids), sp_weights, "mod", name,
+                                              combiner, max_norm, allow_fast_lookup)
 
 
 @_dispatch.dispatch_for_api(_embedding.embedding_lookup_sparse, {"params": _Params})
 def _lookup_sparse_v1(params, sp_ids, sp_weights, partition_strategy="mod", name=None, combiner=None,
                       max_norm=None, allow_fast_lookup=False):
     del partition_strategy
-    return _embedding.embedding_lookup_sparse(_shards(params), sp_ids, sp_weights, "mod", name, combiner, max_norm,
-                                              allow_fast_lookup)
+    return _embedding.embedding_lookup_sparse(_shards(params), _checked(params, sp_ids), sp_weights, "mod", name,
+                                              combiner, max_norm, allow_fast_lookup)
 
 
 @_dispatch.dispatch_for_api(_embedding.safe_embedding_lookup_sparse_v2, {"embedding_weights": _Params})
 def _safe_lookup_sparse_v2(embedding_weights, sparse_ids, sparse_weights=None, combiner="mean", default_id=None,
                            max_norm=None, name=None, allow_fast_lookup=False):
     return _embedding.safe_embedding_lookup_sparse(
-        _shards(embedding_weights), sparse_ids, sparse_weights, combiner, default_id, name, "mod", max_norm,
-        allow_fast_lookup)
+        _shards(embedding_weights), _checked(embedding_weights, sparse_ids, negative_ok=True), sparse_weights,
+        combiner, default_id, name, "mod", max_norm, allow_fast_lookup)
 
 
 # TensorFlow registers its own ShardedVariable target for the v1 form (blocks, the caller's partition_strategy); two
@@ -258,5 +286,5 @@ def _safe_lookup_sparse_v1(embedding_weights, sparse_ids, sparse_weights=None, c
                                                      default_id, name, partition_strategy, max_norm,
                                                      allow_fast_lookup)
     return _embedding.safe_embedding_lookup_sparse(
-        _shards(embedding_weights), sparse_ids, sparse_weights, combiner, default_id, name, "mod", max_norm,
-        allow_fast_lookup)
+        _shards(embedding_weights), _checked(embedding_weights, sparse_ids, negative_ok=True), sparse_weights,
+        combiner, default_id, name, "mod", max_norm, allow_fast_lookup)

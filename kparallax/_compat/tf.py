@@ -17,7 +17,6 @@ from tensorflow.python.ops import gen_resource_variable_ops as _gen_rv
 from tensorflow.python.ops import handle_data_util as _handle_data_util
 from tensorflow.python.ops import resource_variable_ops as _rv
 
-InvalidArgumentError = tf.errors.InvalidArgumentError
 ShardedVariable = _sharded.ShardedVariable  # TF's container of row shards; Keras lists the shards as weights
 
 

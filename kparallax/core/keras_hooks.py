@@ -37,7 +37,7 @@ import zlib
 import tensorflow as tf
 
 from kparallax._compat import keras as keras_compat
-from kparallax._compat import tf as tf_compat
+from kparallax._compat import striped
 from kparallax.core import backup
 from kparallax.core import data as data_lib
 from kparallax.core import fit_callbacks
@@ -407,11 +407,8 @@ def _train_on_batch(original, model, *args, **kwargs):
         state.on_batch_sync = fit_callbacks.ReplicatedWeights(strategy, model)
         state.on_batch_sync.sync()
     _expect_uneven_batches(model, True)
-    with strategy.scope():
-        try:
-            logs = original(model, *args, **kwargs)
-        except tf_compat.InvalidArgumentError as e:
-            raise _explained(e, model) from None
+    with strategy.scope(), _errors_explained(model):
+        logs = original(model, *args, **kwargs)
     if stale:
         state.on_batch_sync.sync_late()
     return logs
@@ -494,6 +491,7 @@ def _fit(original, model, *args, **kwargs):
         ours.append(fit_callbacks.ProgressFile(log_dir, strategy.worker_index))
     if not strategy.is_chief:
         a["verbose"] = 0
+        a["callbacks"] = _without_file_writers(a["callbacks"])
     elif a["verbose"] != 0:
         ours.append(keras_compat.progbar_logger())
         _announce(strategy, model)
@@ -508,11 +506,22 @@ def _fit(original, model, *args, **kwargs):
         if isinstance(callback, tf.keras.callbacks.BackupAndRestore):
             backup.adapt(callback, strategy, compiled(model).clones)
     a["callbacks"] = ours + list(a["callbacks"] or [])
-    with strategy.scope():
-        try:
-            return original(*bound.args, **bound.kwargs)
-        except tf_compat.InvalidArgumentError as e:
-            raise _explained(e, model) from None
+    with strategy.scope(), _errors_explained(model):
+        return original(*bound.args, **bound.kwargs)
+
+
+# Keras callbacks that write a file of the run's logs; every worker's logs are the same (taken over the workers).
+_FILE_WRITERS = (tf.keras.callbacks.TensorBoard, tf.keras.callbacks.CSVLogger)
+
+
+def _without_file_writers(callbacks):
+    """A worker other than 0 leaves out the callbacks that would write the logs to a file: worker 0 writes them, as
+    one process would (in one TensorBoard directory every worker would add its own event files, each step shown
+    once per worker; in one CSV file their writes would interleave). Model files are written by worker 0 alone too
+    (``saving``)."""
+    if not isinstance(callbacks, (list, tuple)):
+        return callbacks
+    return [c for c in callbacks if not isinstance(c, _FILE_WRITERS)]
 
 
 def _announce(strategy, model):
@@ -542,19 +551,49 @@ def _bytes(n):
 
 
 _OUT_OF_RANGE = re.compile(r"indices\[[0-9,]+\] = (-?[0-9]+) is not in \[0, ([0-9]+)\)")
+_OUT_OF_STRIPES = re.compile(re.escape(striped.ID_CHECK_MESSAGE) + r"\] \[(-?[0-9]+)\] \[(-?[0-9]+)\] \[([0-9]+)\]")
+_HOROVOD_SHUT_DOWN = "Horovod has been shut down"
+
+
+@contextlib.contextmanager
+def _errors_explained(model):
+    """TensorFlow errors of ``fit`` / ``train_on_batch`` / ``evaluate`` / ``predict`` that ``_explained`` knows are
+    raised said plainly (without TensorFlow's graph trace); others as they are."""
+    try:
+        yield
+    except tf.errors.OpError as e:
+        explained = _explained(e, model)
+        if explained is e:
+            raise
+        raise explained from None
 
 
 def _explained(error, model):
-    """TensorFlow's CPU gather error for an id outside a table and the step check of
-    ``collectives.sum_checked`` (in the step or at an epoch's end), said plainly (other errors unchanged)."""
-    if collectives.STEP_SKEW_MESSAGE in str(error):
+    """Said plainly (other errors unchanged): an id outside a table (TensorFlow's CPU gather error, or a striped
+    table's id check), the step check of ``collectives.sum_checked`` (in the step or at an epoch's end), and a
+    collective that ended because another worker stopped."""
+    text = str(error)
+    if collectives.STEP_SKEW_MESSAGE in text:
         return collectives.step_skew_error(model.optimizer.iterations.numpy())
-    match = _OUT_OF_RANGE.search(str(error))
-    if not match:
-        return error
-    return ValueError(f"The input holds id {match.group(1)}, outside an embedding table (or table shard) of "
-                      f"{match.group(2)} rows: ids must be in [0, vocabulary size). Check the data against the "
-                      f"vocabulary (or raise the Embedding's input_dim). Received: id={match.group(1)}.")
+    match = _OUT_OF_RANGE.search(text)
+    if match:
+        return _id_error(match.group(1), match.group(2))
+    match = _OUT_OF_STRIPES.search(text)
+    if match:
+        low, high, rows = match.groups()
+        return _id_error(low if int(low) < 0 else high, rows)
+    if _HOROVOD_SHUT_DOWN in text:
+        return RuntimeError(
+            "This worker stopped because another worker failed and left the collective this one was waiting on "
+            "(Horovod has been shut down). The other worker's own error is the cause: kparallax-run names that "
+            "worker and shows its log; without the launcher, look in each worker's output.")
+    return error
+
+
+def _id_error(value, rows):
+    return ValueError(f"The input holds id {value}, outside an embedding table of {rows} rows: ids must be in "
+                      "[0, vocabulary size). Check the data against the vocabulary (or raise the Embedding's "
+                      f"input_dim). Received: id={value}.")
 
 
 def _check_same_shuffle(strategy, seeds):
@@ -590,7 +629,8 @@ def _run_quietly_on_workers(original, model, *args, **kwargs):
     bound.apply_defaults()
     if not strategy.is_chief:
         bound.arguments["verbose"] = 0
-    with strategy.scope():
+        bound.arguments["callbacks"] = _without_file_writers(bound.arguments["callbacks"])
+    with strategy.scope(), _errors_explained(model):
         return original(*bound.args, **bound.kwargs)
 
 

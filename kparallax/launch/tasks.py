@@ -31,6 +31,12 @@ class Task:
     index: int
     process: subprocess.Popen
     log_path: str
+    output: Optional[threading.Thread] = None  # copies the task's output into its log (and the terminal)
+
+    def log_complete(self, seconds=2.0):
+        """Waits (up to ``seconds``) until the output of the exited task is all in its log."""
+        if self.output is not None:
+            self.output.join(seconds)
 
     @property
     def name(self):
@@ -88,8 +94,9 @@ def spawn(role, index, command, env, log_dir, echo, stdin=subprocess.DEVNULL, ra
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                stdin=stdin, preexec_fn=die_with_parent)
     prefix = (b"" if raw else f"[{role} {index}] ".encode()) if echo else None
-    threading.Thread(target=_tee, args=(process.stdout, log_file, prefix), daemon=True).start()
-    return Task(role, index, process, log_path)
+    output = threading.Thread(target=_tee, args=(process.stdout, log_file, prefix), daemon=True)
+    output.start()
+    return Task(role, index, process, log_path, output)
 
 
 def tail(path, lines=15):
@@ -243,7 +250,7 @@ def supervise(tasks: List[Task], timeout: float, elsewhere: Optional[Callable[[]
             if task.role == "ps":
                 return Failure(task.name, f"exited unexpectedly with code {code}", exit_code(code) or 1, task.log_path)
             if code != 0:
-                return Failure(task.name, f"failed with exit code {code}", exit_code(code), task.log_path)
+                return _cause(tasks, task, elsewhere)
         if not workers_running:
             return None
         failure = elsewhere() if elsewhere is not None else None
@@ -260,6 +267,52 @@ def supervise(tasks: List[Task], timeout: float, elsewhere: Optional[Callable[[]
             return Failure(stalled[0].name, f"did not finish within --timeout={timeout:.0f}s (still running: {names})",
                            124, stalled[0].log_path, restartable=False)
         time.sleep(0.1)
+
+
+# A worker whose log ends with this stopped because another left a collective (keras_hooks._explained says so).
+COLLATERAL_MARKER = b"Horovod has been shut down"
+CAUSE_SECONDS = 5.0
+
+
+def _collateral(task, max_bytes=16384):
+    """Whether the exited worker ``task`` stopped only because another worker left a collective."""
+    task.log_complete()
+    try:
+        with open(task.log_path, "rb") as f:
+            f.seek(max(0, os.path.getsize(task.log_path) - max_bytes))
+            return COLLATERAL_MARKER in f.read()
+    except OSError:
+        return False
+
+
+def _cause(tasks, failed, elsewhere=None):
+    """The failure to report once worker ``failed`` exited with an error.
+
+    When one worker fails inside a step, Horovod shuts down the others' collectives and they fail too, often first
+    (the failing worker is still unwinding its own error). If ``failed`` is such a worker, the launcher waits up to
+    ``CAUSE_SECONDS`` for a worker that failed with an error of its own, here or on another host (``elsewhere``),
+    and names it instead.
+    """
+    def failure(task):
+        code = task.process.poll()
+        return Failure(task.name, f"failed with exit code {code}", exit_code(code), task.log_path)
+
+    if not _collateral(failed):
+        return failure(failed)
+    pending = [t for t in tasks if t.role == "worker" and t is not failed]
+    deadline = time.monotonic() + CAUSE_SECONDS
+    while time.monotonic() < deadline:
+        for task in [t for t in pending if t.process.poll() is not None]:
+            pending.remove(task)
+            if task.process.returncode != 0 and not _collateral(task):
+                return failure(task)
+        remote = elsewhere() if elsewhere is not None else None
+        if remote is not None:
+            return remote
+        if not pending and elsewhere is None:
+            break
+        time.sleep(0.1)
+    return failure(failed)
 
 
 def finish(failure: Optional[Failure], restarts: int, who: str = "kparallax-run") -> int:

@@ -291,7 +291,8 @@ def shared_layer(scope, batch):
 
 def keras_callbacks(scope, batch):
     """ModelCheckpoint (h5 weights-only and full TF format), CSVLogger, TensorBoard with histograms and
-    BackupAndRestore around an ordinary fit: training is unchanged and the files load."""
+    BackupAndRestore around an ordinary fit: training is unchanged and the files load; only worker 0 writes model,
+    CSV and TensorBoard files."""
     ids, rng = _ids(9)
     y = rng.normal(size=(ROWS, 1)).astype(np.float32)
     directory = tempfile.mkdtemp(prefix="kp_callbacks_")
@@ -313,6 +314,10 @@ def keras_callbacks(scope, batch):
         for a, b in zip(again.get_weights(), model.get_weights()):
             np.testing.assert_array_equal(a, b)
         assert len(open(os.path.join(directory, "log.csv"), encoding="utf-8").read().splitlines()) == 3
+        assert os.listdir(os.path.join(directory, "tb", "train"))
+    else:  # the other workers write no file of their logs either
+        assert not os.path.exists(os.path.join(directory, "log.csv")) and not os.path.exists(
+            os.path.join(directory, "tb")), os.listdir(directory)
     return model
 
 

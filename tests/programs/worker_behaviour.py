@@ -2,7 +2,8 @@
 
 Usage: worker_behaviour.py MODE (fail_rank1 | same_index | ok | compile_outside | custom_loop | skew_steps |
                                skew_steps_async | virtual_batch | batch_norm_global | batch_norm_per_worker |
-                               dropout_masks | several_models | clip_refused | clip_accumulated | shuffle_seeds)
+                               dropout_masks | several_models | clip_refused | clip_accumulated | shuffle_seeds |
+                               bad_id_rank1)
 """
 
 import os
@@ -20,7 +21,8 @@ import kparallax as kp
 try:
     strategy = kp.HybridStrategy(kp.Cluster.from_env(), sync=mode != "skew_steps_async",
                                  sync_batch_norm=mode != "batch_norm_per_worker",
-                                 backward_passes_per_step=2 if mode == "clip_accumulated" else 1)
+                                 backward_passes_per_step=2 if mode == "clip_accumulated" else 1,
+                                 partitions=3 if mode == "bad_id_rank1" else 1)
 except (ValueError, ConnectionError) as e:
     print(f"kparallax error: {e}", file=sys.stderr, flush=True)
     sys.exit(2)
@@ -146,6 +148,17 @@ if mode == "dropout_masks":
               verbose=0)
     print("dropout mask " + "".join("1" if v else "0" for v in model.seen.numpy().ravel()), flush=True)
     print("flipped rows " + "".join("1" if row[0] else "0" for row in model.flipped.numpy()), flush=True)
+if mode == "bad_id_rank1":
+    # worker 1's batch holds an id past its table (60 rows in 3 stripes); worker 0's are all in it
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.Input((3,), dtype=tf.int32), tf.keras.layers.Embedding(60, 4),
+                                     tf.keras.layers.Flatten(), tf.keras.layers.Dense(1)])
+        model.compile(optimizer="adagrad", loss="mse")
+    ids = np.array([[1, 2, 70 if strategy.worker_index == 1 else 3]] * 4)
+    model.train_on_batch(ids, np.zeros((4, 1)))
+    sys.exit("a batch with an id outside the table trained")
 if mode == "several_models":
     # a script training eight models one after another, each from Keras' random initialization (different on every
     # worker): each fit starts from worker 0's weights; prints each model's weights' sum after its fit
