@@ -35,14 +35,16 @@ def _clean(text):
     return "\n".join(line for line in text.splitlines() if not any(n in line for n in NOISE))
 
 
-def run_local(command, log_dir, workers=2, ps=1, timeout=240.0, env=None, launcher_args=()):
+def run_local(command, log_dir, workers=2, ps=1, timeout=240.0, env=None, launcher_args=(), quiet=True):
     """Runs ``kparallax-run --workers W --ps P -- command`` with a hard timeout; returns a RunResult.
 
     The launcher's own ``--timeout`` stops the tasks and names the ones still running; the subprocess timeout
-    (a minute longer) guards against the launcher itself hanging.
+    (a minute longer) guards against the launcher itself hanging. ``quiet=False``: worker 0's output is in the
+    result's output too, as the terminal shows it.
     """
     argv = [sys.executable, "-m", "kparallax.launch", "--workers", str(workers), "--ps", str(ps),
-            "--log_dir", log_dir, "--timeout", str(timeout), "--quiet"] + list(launcher_args) + ["--"] + list(command)
+            "--log_dir", log_dir, "--timeout", str(timeout)] + (["--quiet"] if quiet else []) + list(
+                launcher_args) + ["--"] + list(command)
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout + 60,
                               env=dict(os.environ, **(env or {})), check=False)

@@ -31,6 +31,8 @@ V = _Vars()
 @pytest.fixture(autouse=True)
 def _fresh_variables():
     V.__dict__.clear()
+    yield
+    V.__dict__.clear()  # none left alive: an in-process PS test connecting later refuses live variables
 
 
 def _dense(clip):

@@ -12,6 +12,7 @@ import portpicker
 import pytest
 
 from kparallax import testing
+from kparallax.launch import tasks as tasks_lib
 
 PROGRAMS = os.path.join(os.path.dirname(__file__), "programs")
 
@@ -61,13 +62,51 @@ def test_the_worker_whose_error_stopped_the_run_is_named_not_the_one_left_waitin
     names them) is the cause the launcher names, though worker 0, whose collective Horovod shut down, often exits
     first; worker 0 says in one line why it stopped."""
     run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "worker_behaviour.py"), "bad_id_rank1"],
-                            log_dir=str(tmp_path), workers=2, ps=1, timeout=120)
+                            log_dir=str(tmp_path), workers=2, ps=1, timeout=120, quiet=False)
     assert run.returncode == 1, run.report()
     assert "worker 1 failed with exit code 1" in run.output, run.report()
     assert ("ValueError: The input holds id 70, outside an embedding table of 60 rows" in run.output.split(
         "worker 1's log")[-1]), run.report()
     assert "RuntimeError: This worker stopped because another worker failed" in run.logs()["worker-0.log"]
     assert "Graph execution error" not in run.logs()["worker-0.log"], run.report()
+    # The terminal shows worker 0's one line, not TensorFlow's C++ warnings of its ended Horovod ops (in its log).
+    terminal = run.output.split("kparallax-run: worker 1 failed")[0]
+    assert "[worker 0] RuntimeError: This worker stopped because another worker failed" in terminal, run.report()
+    assert "OP_REQUIRES failed" not in terminal, run.report()
+
+
+def test_the_terminal_shows_a_tasks_output_without_kparallax_info_and_tensorflows_horovod_shutdown_warnings(
+        tmp_path, capfdbinary):
+    lines = ["Epoch 1/2", "INFO:kparallax:placement: embedding/embeddings [60, 4] -> ps[0]",
+             "2026-11-27 08:43:51.174192: W tensorflow/core/framework/op_kernel.cc:1839] OP_REQUIRES failed at "
+             "mpi_ops.cc:515 : UNKNOWN: Horovod has been shut down. This was caused by an exception on one of the "
+             "ranks",
+             "2026-11-27 08:43:51.2: W tensorflow/core/framework/op_kernel.cc:1839] OP_REQUIRES failed at "
+             "gather_op.cc:90 : INVALID_ARGUMENT: indices[3] = 70 is not in [0, 60)",
+             "RuntimeError: This worker stopped because another worker failed (Horovod has been shut down).",
+             "INFO:kparallax:no newline at the end"]
+    program = f"import sys; sys.stdout.write({chr(10).join(lines)!r})"
+    task = tasks_lib.spawn("worker", 0, [sys.executable, "-c", program], dict(os.environ), str(tmp_path), echo=True)
+    assert task.process.wait(timeout=60) == 0
+    task.log_complete(30)
+    shown = capfdbinary.readouterr().out.decode().splitlines()
+    assert shown == [f"[worker 0] {line}" for line in (lines[0], lines[3], lines[4])], shown
+    with open(task.log_path, encoding="utf-8") as f:
+        assert f.read() == "\n".join(lines)  # the log keeps every line
+
+
+@pytest.mark.multiprocess
+def test_variables_made_before_the_strategy_are_refused_with_the_fix(tmp_path):
+    """TensorFlow cannot use them once the process connects to the PS tasks (before: compile failed with
+    'Client for target /job:localhost/replica:0/task:0 not found', or a later call did)."""
+    run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "worker_behaviour.py"), "made_before"],
+                            log_dir=str(tmp_path), workers=2, ps=1, timeout=120)
+    assert run.returncode == 2, run.report()
+    found = re.search(r"kparallax error: Create kp.HybridStrategy\(\) before any TensorFlow variable or resource.*"
+                      r"Received: [0-9]+ created before the strategy: (.*)\. Create the strategy first", run.output)
+    assert found, run.report()
+    assert set(found.group(1).split(", ")[:3]) == {"variable 'iteration'", "variable 'learning_rate'",
+                                                   "resource StaticHashTable"}, run.report()
 
 
 @pytest.mark.multiprocess

@@ -9,13 +9,20 @@ Workarounds for TensorFlow 2.15 (seen 2.15.1):
   ``UnavailableError: Socket closed``). The first op on each PS runs inside the same critical section.
 - ``connect_to_cluster`` logs the whole session config (about 15 lines) at INFO through absl's logger, which
   absl-flag programs show; that logger is held at WARNING during the call.
+- Variables and resources (lookup tables) created before the connection live on ``/job:localhost``, which no longer
+  exists after it: any later use fails with ``Client for target /job:localhost/replica:0/task:0 not found``
+  (a Keras optimizer made before the strategy: at ``compile``; a model built before: at ``fit``; an adapted
+  ``TextVectorization``: when called). ``created_before`` finds them (live objects, after a garbage collection).
 """
 
 import contextlib
 import fcntl
+import gc
 import logging
 
 import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops as _rv
+from tensorflow.python.trackable import resource as _resource
 
 from kparallax._compat import tf as tf_compat
 
@@ -49,3 +56,17 @@ def connect(ps_addresses, task_index, own_address, ps_devices, lock_path=None):
             with tf.device(device):
                 tf.identity(tf.constant(0)).numpy()
         tf_compat.async_wait()
+
+
+def created_before():
+    """Descriptions of the live eager variables and created resources of this process (they would be unusable
+    once it connects), e.g. ``["variable 'iteration'", "resource StaticHashTable"]``."""
+    gc.collect()
+    found = []
+    for obj in gc.get_objects():
+        if isinstance(obj, _rv.BaseResourceVariable) and not getattr(obj, "_in_graph_mode", True):
+            found.append(f"variable {obj.name.split(':')[0]!r}")
+        elif isinstance(obj, _resource.CapturableResource) and tf.is_tensor(getattr(obj, "_resource_handle", None)):
+            found.append(f"resource {type(obj).__name__}")
+    # Named variables (a layer's weights, an optimizer's) first, then resources, then unnamed variables.
+    return sorted(found, key=lambda d: 2 if d == "variable 'Variable'" else d.startswith("resource"))

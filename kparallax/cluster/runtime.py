@@ -96,6 +96,15 @@ def connect(cluster, connect_timeout=30.0):
 
 
 def _connect_to_ps(cluster, connect_timeout, port_taken):
+    existing = connect_compat.created_before()
+    if existing:
+        shown = ", ".join(existing[:3]) + (f" and {len(existing) - 3} more" if len(existing) > 3 else "")
+        raise ValueError(
+            "Create kp.HybridStrategy() before any TensorFlow variable or resource: creating it connects this "
+            "process to the PS tasks, and TensorFlow cannot use what was created before that (its device, "
+            "/job:localhost, is gone: 'Client for target /job:localhost/replica:0/task:0 not found'). "
+            f"Received: {len(existing)} created before the strategy: {shown}. Create the strategy first, then the "
+            "models, optimizers, metrics and adapted preprocessing layers.")
     net.wait_ps_reachable(cluster.ps, connect_timeout)
     coordinator = coordinator_lib.coordinator_from_env()
     if coordinator:  # first connections one at a time across hosts

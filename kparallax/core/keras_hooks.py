@@ -36,6 +36,7 @@ import zlib
 
 import tensorflow as tf
 
+from kparallax import log
 from kparallax._compat import keras as keras_compat
 from kparallax._compat import striped
 from kparallax.core import backup
@@ -552,7 +553,6 @@ def _bytes(n):
 
 _OUT_OF_RANGE = re.compile(r"indices\[[0-9,]+\] = (-?[0-9]+) is not in \[0, ([0-9]+)\)")
 _OUT_OF_STRIPES = re.compile(re.escape(striped.ID_CHECK_MESSAGE) + r"\] \[(-?[0-9]+)\] \[(-?[0-9]+)\] \[([0-9]+)\]")
-_HOROVOD_SHUT_DOWN = "Horovod has been shut down"
 
 
 @contextlib.contextmanager
@@ -582,7 +582,7 @@ def _explained(error, model):
     if match:
         low, high, rows = match.groups()
         return _id_error(low if int(low) < 0 else high, rows)
-    if _HOROVOD_SHUT_DOWN in text:
+    if log.HOROVOD_SHUT_DOWN in text:
         return RuntimeError(
             "This worker stopped because another worker failed and left the collective this one was waiting on "
             "(Horovod has been shut down). The other worker's own error is the cause: kparallax-run names that "

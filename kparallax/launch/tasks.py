@@ -10,6 +10,7 @@ import threading
 import time
 from typing import Callable, List, Optional
 
+from kparallax import log
 from kparallax.cluster import net
 
 GRACE_SECONDS = 10.0
@@ -63,7 +64,15 @@ class Failure:
         return text
 
 
-QUIET_PREFIX = b"INFO:kparallax:"  # kparallax's INFO lines (kparallax/log.py): in the task's log, not the terminal
+QUIET_PREFIX = log.PREFIX.encode()  # kparallax's INFO lines: in the task's log, not the terminal
+_OP_FAILED = b"OP_REQUIRES failed at "  # TensorFlow's C++ warning as an op's error unwinds
+
+
+def _quiet(line):
+    """Lines kept in the task's log but not shown in the terminal: kparallax's INFO lines, and TensorFlow's C++
+    warnings of the Horovod ops a worker's collective ended with when another worker stopped (the worker's own
+    one-line error says it)."""
+    return line.startswith(QUIET_PREFIX) or (_OP_FAILED in line and log.HOROVOD_SHUT_DOWN.encode() in line)
 
 
 def _tee(stream, log_file, prefix):
@@ -75,10 +84,10 @@ def _tee(stream, log_file, prefix):
             pending += chunk
             *lines, pending = pending.split(b"\n")
             for line in lines:
-                if not line.startswith(QUIET_PREFIX):
+                if not _quiet(line):
                     sys.stdout.buffer.write(prefix + line + b"\n")
             sys.stdout.flush()
-    if prefix is not None and pending:
+    if prefix is not None and pending and not _quiet(pending):
         sys.stdout.buffer.write(prefix + pending + b"\n")
         sys.stdout.flush()
     log_file.close()
@@ -187,12 +196,7 @@ def horovod_stalled_ranks(tasks, max_bytes=65536):
     """The last "Stalled ranks" list Horovod's stall inspector wrote in the tasks' logs ("" if none)."""
     found = ""
     for task in tasks:
-        try:
-            with open(task.log_path, "rb") as f:
-                f.seek(max(0, os.path.getsize(task.log_path) - max_bytes))
-                lines = f.read().decode("utf-8", "replace").splitlines()
-        except OSError:
-            continue
+        lines = _log_end(task, max_bytes).decode("utf-8", "replace").splitlines()
         for i, line in enumerate(lines):
             if "Stalled ranks:" in line:
                 ranks = [x.strip() for x in lines[i + 1:i + 9] if x.strip()[:1].isdigit() and ": [" in x]
@@ -269,20 +273,24 @@ def supervise(tasks: List[Task], timeout: float, elsewhere: Optional[Callable[[]
         time.sleep(0.1)
 
 
-# A worker whose log ends with this stopped because another left a collective (keras_hooks._explained says so).
-COLLATERAL_MARKER = b"Horovod has been shut down"
 CAUSE_SECONDS = 5.0
 
 
-def _collateral(task, max_bytes=16384):
-    """Whether the exited worker ``task`` stopped only because another worker left a collective."""
-    task.log_complete()
+def _log_end(task, max_bytes):
+    """The last ``max_bytes`` of ``task``'s log (b"" if it cannot be read)."""
     try:
         with open(task.log_path, "rb") as f:
             f.seek(max(0, os.path.getsize(task.log_path) - max_bytes))
-            return COLLATERAL_MARKER in f.read()
+            return f.read()
     except OSError:
-        return False
+        return b""
+
+
+def _collateral(task, max_bytes=16384):
+    """Whether the exited worker ``task`` stopped only because another worker left a collective (its log ends with
+    Horovod's shutdown error)."""
+    task.log_complete()
+    return log.HOROVOD_SHUT_DOWN.encode() in _log_end(task, max_bytes)
 
 
 def _cause(tasks, failed, elsewhere=None):

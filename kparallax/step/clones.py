@@ -39,6 +39,7 @@ class Clones:
         """The clone for ``variable`` (created on first use, with slots on ``variable``'s PS task)."""
         key = variable.ref()
         if key not in self._clones:
+            self._check_row_wise(variable)
             if self.learning_rate_source is not None:
                 with tf.init_scope():  # on the worker, as Keras would create it
                     keras_compat.create_learning_rate(self.learning_rate_source)
@@ -49,6 +50,19 @@ class Clones:
                 keras_compat.build_optimizer(clone, [variable])
             self._clones[key] = clone
         return self._clones[key]
+
+    def _check_row_wise(self, variable):
+        """Refuses an optimizer whose update reads across rows for a shard of a partitioned table."""
+        reason = keras_compat.row_coupled_reason(self._optimizer)
+        table = self._registry.table_of(variable)
+        if reason and table is not None:
+            path = table[0].path
+            raise ValueError(
+                f"Table {path!r} is split into row shards (partitions=P, a 'ps:P' rule or partitions='auto'), and "
+                f"{reason} Received: "
+                f"{type(self._optimizer).__name__} updating {len(table[0].shards)} shard(s) of {path!r}. Keep the "
+                f"table in one piece with placement={{{path!r}: 'ps:1'}} (or partitions=1), or train it with an "
+                "optimizer whose update is row-wise (SGD, Adam, Adagrad, RMSprop, Ftrl, ...).")
 
     def existing(self, variable):
         """The clone for ``variable`` if one was made (it applied an update or was restored), else None."""

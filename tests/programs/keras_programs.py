@@ -1124,6 +1124,26 @@ def validation_summed_loss(scope, batch):
     return model
 
 
+def learning_rate_callbacks(scope, batch):
+    """fit from initial_epoch=1 with validation every second epoch (validation_freq=2), a LearningRateScheduler
+    halving the rate from epoch 3 on and a ReduceLROnPlateau on the training loss that halves it after every epoch
+    (min_delta so large that no epoch counts as an improvement): the logged loss, mae and lr, and the validation
+    logs, of every epoch."""
+    ids, rng = _ids(57)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    with scope():
+        model = tf.keras.Sequential([tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB),
+                                     tf.keras.layers.GlobalAveragePooling1D(), tf.keras.layers.Dense(1)])
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.05), loss="mse", metrics=["mae"])
+        halve_late = tf.keras.callbacks.LearningRateScheduler(lambda epoch, rate: rate * 0.5 if epoch >= 3 else rate)
+        plateau = tf.keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=1e9)
+        history = model.fit(ids[:96], y[:96], batch_size=batch, epochs=6, initial_epoch=1, shuffle=False, verbose=0,
+                            validation_data=(ids[96:], y[96:]), validation_freq=2, callbacks=[halve_late, plateau])
+    model.logged = [np.array(history.history[key]) for key in sorted(history.history)]
+    return model
+
+
 def stateful_lstm(scope, batch):
     """A stateful LSTM (fixed batch size; its state carries over from batch to batch within each epoch)."""
     ids, rng = _ids(33)
@@ -1398,7 +1418,8 @@ PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, mixed
                                     self_sharded_dataset, partial_last_batch_arrays, odd_batch_count_dataset,
                                     padded_sequences,
                                     masked_sequence_losses, own_loss_partial_batch, weighted_metrics_sample_weights,
-                                    gru_conv1d_evaluate, seq2seq_gru, validation_summed_loss, stateful_lstm,
+                                    gru_conv1d_evaluate, seq2seq_gru, validation_summed_loss, learning_rate_callbacks,
+                                    stateful_lstm,
                                     run_eagerly_dense, two_optimizers,
                                     fine_tuning, own_compute_loss, own_embedding_layer,
                                     added_metrics, tracked_train_step, multi_output, transformer_lm,

@@ -3,7 +3,7 @@
 Usage: worker_behaviour.py MODE (fail_rank1 | same_index | ok | compile_outside | custom_loop | skew_steps |
                                skew_steps_async | virtual_batch | batch_norm_global | batch_norm_per_worker |
                                dropout_masks | several_models | clip_refused | clip_accumulated | shuffle_seeds |
-                               bad_id_rank1)
+                               bad_id_rank1 | made_before)
 """
 
 import os
@@ -15,6 +15,10 @@ if mode == "fail_rank1" and os.environ.get("KPARALLAX_TASK_INDEX") == "1":
     sys.exit(3)
 if mode == "same_index":
     os.environ["KPARALLAX_TASK_INDEX"] = "0"  # both workers claim index 0
+
+if mode == "made_before":  # an optimizer and an adapted lookup layer made before the strategy
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    early = [tf.keras.optimizers.Adam(0.01), tf.keras.layers.StringLookup(vocabulary=["a", "b"])]
 
 import kparallax as kp
 
