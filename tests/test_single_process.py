@@ -102,3 +102,45 @@ def test_an_id_outside_the_table_is_explained():
         model.compile(optimizer="sgd", loss="mse")
         with pytest.raises(ValueError, match=r"The input holds id 12, outside an embedding table of 10 rows"):
             model.fit(np.array([[1, 2, 12]] * 4), np.zeros((4, 1)), batch_size=2, verbose=0)
+
+
+class _BatchBudget(tf.keras.callbacks.Callback):
+    """Stops this worker's training after a batch (a wall-clock budget, say)."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 3:
+            self.model.stop_training = True
+
+
+class _StepTimer(tf.keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        self.last = batch
+
+
+class _BudgetTimer(_StepTimer):  # the stop in a base class's code of the user's
+    def on_epoch_end(self, epoch, logs=None):
+        self.model.stop_training = epoch > 3
+
+
+def _log_batch(batch, logs):
+    return batch
+
+
+@pytest.mark.parametrize("callbacks, per_batch", [
+    ([], False),
+    ([tf.keras.callbacks.EarlyStopping(), tf.keras.callbacks.TerminateOnNaN(), tf.keras.callbacks.CSVLogger("x"),
+      tf.keras.callbacks.ModelCheckpoint("x"), kp.callbacks.StopAtStep(5), kp.callbacks.Throughput(64),
+      tf.keras.callbacks.LambdaCallback(on_epoch_end=print), _StepTimer(),
+      tf.keras.callbacks.LambdaCallback(on_batch_end=_log_batch)], False),
+    ([_BatchBudget()], True),
+    ([_BudgetTimer()], True),
+    ([tf.keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: batch)], False),
+    ([tf.keras.callbacks.LambdaCallback(on_batch_end=print)], True),
+], ids=["none", "keras_kparallax_timers_loggers", "own_batch_stop", "stop_in_own_class", "lambda_no_stop",
+        "unreadable_hook"])
+def test_stops_are_agreed_after_every_batch_only_if_a_users_batch_hook_may_stop(callbacks, per_batch):
+    # Keras' and kparallax's callbacks stop from logs and steps that are the same on every worker, a timer or a
+    # logger never stops: one allreduce per epoch agrees on stopping. A user's batch hook that may stop one worker
+    # only within an epoch (its classes' code sets stop_training, or cannot be read) needs one after every batch.
+    from kparallax.core import fit_callbacks  # pylint: disable=import-outside-toplevel
+    assert fit_callbacks.may_stop_within_epoch(callbacks) is per_batch

@@ -12,8 +12,8 @@ its own ``get_weights``/``set_weights`` when the variable is created.
 Under a strategy:
   * ``compile`` wraps the optimizer (``kparallax.step``); ``jit_compile=True`` is refused.
   * ``fit`` shards the training data per worker (``data``), runs inside the strategy's scope, adds the callbacks of
-    ``fit_callbacks`` in front of the user's, and shows the progress bar on worker 0 only. ``validation_split``
-    takes the last fraction of the full arrays.
+    ``fit_callbacks`` in front of the user's (and ``SameStop`` after them: every worker stops where any asked), and
+    shows the progress bar on worker 0 only. ``validation_split`` takes the last fraction of the full arrays.
   * ``train_on_batch`` takes this worker's own batch (one synchronous step over all workers' batches) and, at its
     first call and after any worker set the model's weights, broadcasts worker 0's replicated weights as ``fit``
     does.
@@ -507,6 +507,9 @@ def _fit(original, model, *args, **kwargs):
         if isinstance(callback, tf.keras.callbacks.BackupAndRestore):
             backup.adapt(callback, strategy, compiled(model).clones)
     a["callbacks"] = ours + list(a["callbacks"] or [])
+    if strategy.num_workers > 1:
+        per_batch = strategy.options.sync and fit_callbacks.may_stop_within_epoch(a["callbacks"])
+        a["callbacks"].append(fit_callbacks.SameStop(strategy.num_workers, per_batch))
     with strategy.scope(), _errors_explained(model):
         return original(*bound.args, **bound.kwargs)
 

@@ -1144,6 +1144,44 @@ def learning_rate_callbacks(scope, batch):
     return model
 
 
+class _StopOnOneWorker(tf.keras.callbacks.Callback):
+    """Stops training on one worker only (``rank``; one process is rank 0 of 1): after batch ``batch`` of the first
+    epoch, or (``batch=None``) at the end of the first epoch, as a wall-clock budget or a check of the worker's
+    own would."""
+
+    def __init__(self, rank, batch=None):
+        super().__init__()
+        self._rank, self._batch = rank, batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._batch is not None and RANK == self._rank and batch == self._batch:
+            self.model.stop_training = True
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._batch is None and RANK == self._rank:
+            self.model.stop_training = True
+
+
+def stop_on_one_worker(scope, batch):
+    """Two fits of 3 epochs: the first stopped by worker 0's callback after the 4th batch of the first epoch, the
+    second by the last worker's at the end of the first epoch. One process stops at the same places; every worker
+    must too (a worker leaving fit alone would leave the others waiting in a collective)."""
+    ids, rng = _ids(62)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    with scope():
+        model = tf.keras.Sequential([tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB),
+                                     tf.keras.layers.GlobalAveragePooling1D(), tf.keras.layers.Dense(1)])
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.05), loss="mse")
+        first = model.fit(ids, y, batch_size=batch, epochs=3, shuffle=False, verbose=0,
+                          callbacks=[_StopOnOneWorker(0, batch=3)])
+        second = model.fit(ids, y, batch_size=batch, epochs=3, shuffle=False, verbose=0,
+                           callbacks=[_StopOnOneWorker(RUN_WORKERS - 1)])
+    model.logged = [np.array(first.history["loss"]), np.array(second.history["loss"]),
+                    np.array([model.optimizer.iterations.numpy()])]
+    return model
+
+
 def stateful_lstm(scope, batch):
     """A stateful LSTM (fixed batch size; its state carries over from batch to batch within each epoch)."""
     ids, rng = _ids(33)
@@ -1419,7 +1457,7 @@ PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, mixed
                                     padded_sequences,
                                     masked_sequence_losses, own_loss_partial_batch, weighted_metrics_sample_weights,
                                     gru_conv1d_evaluate, seq2seq_gru, validation_summed_loss, learning_rate_callbacks,
-                                    stateful_lstm,
+                                    stop_on_one_worker, stateful_lstm,
                                     run_eagerly_dense, two_optimizers,
                                     fine_tuning, own_compute_loss, own_embedding_layer,
                                     added_metrics, tracked_train_step, multi_output, transformer_lm,
