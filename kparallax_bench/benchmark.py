@@ -51,6 +51,7 @@ from kparallax.cluster import coordinator as rendezvous
 from kparallax_bench import cpu
 from kparallax_bench import netem
 from kparallax_bench import traffic
+from kparallax_models import presets
 
 WORKER = ["-m", "kparallax_bench.worker"]
 VARIANTS = ["kparallax-hybrid", "kparallax-hybrid-async", "kparallax-allreduce", "kparallax-allreduce-dense", "kparallax-ps", "horovod",
@@ -63,7 +64,7 @@ def parse(argv=None):
                         help="a preset (lm1b_small | lm1b_tiny | resnet50_small | ...) or a JSON config's path")
     parser.add_argument("--workers", default="2", help="comma-separated worker counts, e.g. 1,2,4,8")
     parser.add_argument("--steps", type=int, default=50, help="timed steps per run")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (tracing)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (tracing), >= 1")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch_size", type=int, default=None, help="per-worker batch (default: the preset's)")
     parser.add_argument("--ps", type=int, default=1, help="PS tasks for the variants that use them")
@@ -119,8 +120,19 @@ def parse(argv=None):
         args.workers = [int(w) for w in args.workers.split(",")]
     except ValueError:
         parser.error(f"--workers takes integers like 1,2,4. Received: --workers={args.workers}.")
-    if any(w < 1 for w in args.workers) or args.steps < 1 or args.repeats < 1:
-        parser.error("--workers, --steps and --repeats must be >= 1.")
+    if any(w < 1 for w in args.workers):
+        parser.error(f"every --workers count must be >= 1. Received: --workers={','.join(map(str, args.workers))}.")
+    for flag, why in (("steps", ""), ("repeats", ""), ("batch_size", ""),
+                      ("warmup", " (the timed window starts at a step's end, and the first step traces)")):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag} must be >= 1{why}. Received: --{flag}={value}.")
+    if args.timeout <= 0:
+        parser.error(f"--timeout must be > 0 seconds. Received: --timeout={args.timeout}.")
+    try:
+        presets.load(presets.model_of(args.model), args.model)
+    except ValueError as e:
+        parser.error(f"--model: {e}")
     n = args.steps_per_execution
     if n < 1 or args.steps % n or args.warmup % n:
         parser.error(f"--steps_per_execution must be >= 1 and divide --steps and --warmup (so the timed window starts "

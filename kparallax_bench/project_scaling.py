@@ -61,8 +61,18 @@ def parse(argv=None):
         parser.error(f"--bandwidth must be a rate. Received: --bandwidth={args.bandwidth}.")
     if args.model not in PUBLISHED:
         parser.error(f"--model must be one of {sorted(PUBLISHED)}. Received: --model={args.model}.")
-    if args.machines < 1 or args.per_machine < 1:
-        parser.error("--machines and --per_machine must be >= 1.")
+    for flag in ("machines", "per_machine"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be >= 1. Received: --{flag}={getattr(args, flag)}.")
+    if args.ps_machines is not None and not 1 <= args.ps_machines <= args.machines:
+        parser.error(f"--ps_machines must be between 1 and --machines ({args.machines}). "
+                     f"Received: --ps_machines={args.ps_machines}.")
+    if args.alpha_us < 0 or (args.compute_ms is not None and args.compute_ms <= 0):
+        parser.error(f"--alpha_us must be >= 0 and --compute_ms > 0. Received: --alpha_us={args.alpha_us}, "
+                     f"--compute_ms={args.compute_ms}.")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        parser.error(f"--json: the directory of {args.json!r} does not exist; create it first. "
+                     f"Received: --json={args.json}.")
     return args
 
 

@@ -18,6 +18,7 @@ import os
 import time
 
 from kparallax_bench import traffic
+from kparallax_models import presets
 
 
 def mark(label):
@@ -48,18 +49,10 @@ def parse():
     return parser.parse_args()
 
 
-def _is_lm1b(model_name):
-    """A preset name (``lm1b_small``) or the path of a JSON config, whose ``model`` field says which model."""
-    if model_name.endswith(".json"):
-        with open(model_name, encoding="utf-8") as f:
-            return json.load(f).get("model") == "lm1b"
-    return model_name.startswith("lm1b")
-
-
 def build(model_name, batch_size, workers, rank):
     import tensorflow as tf
     from kparallax_models import imagenet_data, lm1b, resnet
-    if _is_lm1b(model_name):
+    if presets.model_of(model_name) == "lm1b":
         config = lm1b.preset(model_name, **({"batch_size": batch_size} if batch_size else {}))
         x, y = traffic.lm1b_windows(config, seed=rank)
         data = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(config.batch_size, drop_remainder=True)

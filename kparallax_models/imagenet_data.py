@@ -12,6 +12,7 @@ split among workers (worker i reads files i, i+N, ...).
 
 import glob
 import os
+import re
 
 import numpy as np
 import tensorflow as tf
@@ -68,7 +69,16 @@ def dataset(paths, image_size, batch_size, training, seed=0):
 
 
 def count_records(paths):
-    return sum(1 for _ in tf.data.TFRecordDataset(paths))
+    """The records in the TFRecord files ``paths``; a ``ValueError`` naming a file that is not one."""
+    total = 0
+    for path in paths:
+        try:
+            total += sum(1 for _ in tf.data.TFRecordDataset(path))
+        except tf.errors.DataLossError as e:
+            reason = re.sub(r"\{\{function_node [^}]*\}\}|\[Op:.*", "", e.message).strip()
+            raise ValueError(f"{path} is not a readable TFRecord file ({reason}). "
+                             f"Rewrite it or move it out of --data_dir. Received: {path}.") from None
+    return total
 
 
 def synthetic(batch_size, image_size, num_classes, seed=0):

@@ -60,6 +60,7 @@ def preset(name, **overrides):
     """The preset ``name`` (``configs/<name>.json``, or a path to a JSON config) with ``overrides`` applied."""
     fields = presets.load("lm1b", name)
     fields.update(overrides)
+    presets.check_fields(LMConfig, name, fields)
     try:
         return LMConfig(**fields)
     except TypeError as e:

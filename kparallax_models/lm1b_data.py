@@ -45,14 +45,13 @@ class Vocabulary:
             raise FileNotFoundError(f"Vocabulary file {path!r} does not exist. Build one with "
                                     f"scripts/build_vocab.py or point --data_dir at an LM1B directory. Received: {path}.")
         words = []
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                parts = line.split()
-                if not parts:
-                    continue
-                if len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
-                    raise ValueError(f"{path}:{number}: expected 'word count'. Received: {line.strip()!r}.")
-                words.append(parts[0])
+        for number, line in enumerate(_lines(path), 1):
+            parts = line.split()
+            if not parts:
+                continue
+            if len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
+                raise ValueError(f"{path}:{number}: expected 'word count'. Received: {line.strip()!r}.")
+            words.append(parts[0])
         if not words:
             raise ValueError(f"Vocabulary file {path!r} is empty. Received: 0 words.")
         if max_size is not None and len(words) > max_size:
@@ -69,12 +68,11 @@ def build_vocabulary(paths, output, max_size=None):
     counts = collections.Counter()
     sentences = 0
     for path in paths:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                words = line.split()
-                if words:
-                    counts.update(words)
-                    sentences += 1
+        for line in _lines(path):
+            words = line.split()
+            if words:
+                counts.update(words)
+                sentences += 1
     if not counts:
         raise ValueError(f"No words in {list(paths)}. Received: empty input.")
     top = counts.most_common(max_size)
@@ -105,10 +103,9 @@ def windows(paths, vocab, num_steps):
     """(inputs, targets) int32 arrays [n, num_steps] from the sentences of ``paths``."""
     stream = []
     for path in paths:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    stream.extend(vocab.encode(line))
+        for line in _lines(path):
+            if line.strip():
+                stream.extend(vocab.encode(line))
     ids = np.asarray(stream, dtype=np.int32)
     n = (len(ids) - 1) // num_steps
     if n == 0:
@@ -117,6 +114,18 @@ def windows(paths, vocab, num_steps):
     inputs = ids[:n * num_steps].reshape(n, num_steps)
     targets = ids[1:n * num_steps + 1].reshape(n, num_steps)
     return inputs, targets
+
+
+def _lines(path):
+    """The lines of the UTF-8 text file ``path``; a ``ValueError`` naming the file and line if it is not UTF-8."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                yield raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{number} is not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
+                                 f"{e.start + 1}): LM1B files hold UTF-8 text, one tokenized sentence per line. "
+                                 f"Received: {raw[:40]!r}.") from None
 
 
 def synthetic(num_windows, num_steps, vocab_size, seed=0, exponent=1.2):

@@ -31,6 +31,7 @@ def preset(name, **overrides):
     fields = presets.load("resnet", name)
     fields.update(overrides)
     fields["blocks"] = tuple(fields.get("blocks", (3, 4, 6, 3)))
+    presets.check_fields(ResNetConfig, name, fields)
     try:
         return ResNetConfig(**fields)
     except TypeError as e:

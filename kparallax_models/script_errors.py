@@ -18,3 +18,16 @@ def run_with_clear_errors(main, argv, script):
             raise
         sys.stderr.write(f"{os.path.basename(script)}: error: {e}\n(set KPARALLAX_TRACEBACK=1 for the traceback)\n")
         process.hard_exit(2)  # skip TensorFlow's teardown of live PS connections
+
+
+def check_writable_dir(path, flag):
+    """Creates directory ``path`` (given by ``flag``) if needed; a ``ValueError`` naming it if it cannot be written."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, ".kparallax_write_test")
+        with open(probe, "w", encoding="utf-8") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"{flag} is not writable ({e.strerror}). Pass a directory this user can create and write. "
+                         f"Received: {flag}={path}.") from None

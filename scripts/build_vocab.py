@@ -18,7 +18,15 @@ def main(argv=None):
     missing = [f for f in args.files if not os.path.isfile(f)]
     if missing:
         parser.error(f"no such file: {missing[0]}. Received: {missing[0]}.")
-    size = lm1b_data.build_vocabulary(args.files, args.output, args.max_size)
+    if args.max_size is not None and args.max_size < 1:
+        parser.error(f"--max_size must be >= 1 (or left out: every word). Received: --max_size={args.max_size}.")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        parser.error(f"--output: the directory of {args.output!r} does not exist; create it first. "
+                     f"Received: --output={args.output}.")
+    try:
+        size = lm1b_data.build_vocabulary(args.files, args.output, args.max_size)
+    except ValueError as e:
+        parser.error(str(e))
     print(f"wrote {size} entries to {args.output}")
 
 

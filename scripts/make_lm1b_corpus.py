@@ -99,8 +99,21 @@ def main(argv=None):
     parser.add_argument("--heldout_fraction", type=float, default=0.02)
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args(argv)
-    train, heldout, tokens, vocab = write(args.output_dir, args.train_shards, args.heldout_shards,
-                                          args.heldout_fraction, args.seed)
+    for flag in ("train_shards", "heldout_shards"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be >= 1. Received: --{flag}={getattr(args, flag)}.")
+    if not 0 <= args.heldout_fraction < 1:
+        parser.error(f"--heldout_fraction must be >= 0 and < 1. "
+                     f"Received: --heldout_fraction={args.heldout_fraction}.")
+    try:
+        os.makedirs(args.output_dir, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--output_dir cannot be created ({e.strerror}). Received: --output_dir={args.output_dir}.")
+    try:
+        train, heldout, tokens, vocab = write(args.output_dir, args.train_shards, args.heldout_shards,
+                                              args.heldout_fraction, args.seed)
+    except ValueError as e:
+        parser.error(f"{e} Check --train_shards, --heldout_shards and --heldout_fraction.")
     print(f"wrote {train} training and {heldout} held-out sentences ({tokens} training tokens, vocabulary "
           f"{vocab} words) to {args.output_dir}")
 

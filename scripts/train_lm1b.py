@@ -34,39 +34,26 @@ flags.DEFINE_string("model_dir", "/tmp/kparallax_lm1b", "Where config.json and T
 flags.DEFINE_enum("architecture", None, ["hybrid", "allreduce", "ps"],
                   "kparallax architecture (default: $KPARALLAX_ARCHITECTURE, else hybrid; allreduce without PS).")
 flags.DEFINE_string("partitions", "1", "Row shards per table: an integer or 'auto'.")
-flags.DEFINE_integer("batch_size", None, "Per-worker batch (windows); default: the preset's.")
-flags.DEFINE_integer("num_steps", None, "Unrolled LSTM steps per window; default: the preset's.")
-flags.DEFINE_integer("train_steps", 0, "Optimizer steps to train (0: --epochs full passes).")
-flags.DEFINE_integer("epochs", 1, "Passes over the training data when --train_steps=0.")
+flags.DEFINE_integer("batch_size", None, "Per-worker batch (windows); default: the preset's.", lower_bound=1)
+flags.DEFINE_integer("num_steps", None, "Unrolled LSTM steps per window; default: the preset's.", lower_bound=1)
+flags.DEFINE_integer("train_steps", 0, "Optimizer steps to train (0: --epochs full passes).", lower_bound=0)
+flags.DEFINE_integer("epochs", 1, "Passes over the training data when --train_steps=0.", lower_bound=1)
 flags.DEFINE_float("learning_rate", None, "Adagrad learning rate; default: the preset's (0.2).")
-flags.DEFINE_integer("warmup_steps", 0, "Linear learning-rate warm-up steps (0: none).")
-flags.DEFINE_integer("log_every", 20, "Steps between progress lines and TensorBoard writes.")
-flags.DEFINE_integer("synthetic_windows", 4096, "Windows per worker with --data=synthetic.")
+flags.DEFINE_integer("warmup_steps", 0, "Linear learning-rate warm-up steps (0: none).", lower_bound=0)
+flags.DEFINE_integer("log_every", 20, "Steps between progress lines and TensorBoard writes.", lower_bound=1)
+flags.DEFINE_integer("synthetic_windows", 4096, "Windows per worker with --data=synthetic.", lower_bound=1)
 flags.DEFINE_boolean("eval", True, "Evaluate held-out perplexity (full softmax) at the end.")
 flags.DEFINE_integer("seed", 1, "Shuffling and initialization seed.")
 flags.DEFINE_integer("checkpoint_every", 100, "Optimizer steps between checkpoints in --model_dir (and one at the "
-                     "end); a run resumes from the latest checkpoint there automatically.")
+                     "end); a run resumes from the latest checkpoint there automatically.", lower_bound=1)
+flags.register_validator("partitions", lambda text: text == "auto" or (text.isdigit() and int(text) >= 1),
+                         "--partitions must be an integer >= 1 or 'auto'")
+flags.register_validator("learning_rate", lambda rate: rate is None or (math.isfinite(rate) and rate > 0),
+                         "--learning_rate must be a finite number > 0")
 
 
 def _partitions(text):
-    if text == "auto":
-        return text
-    if not text.isdigit() or int(text) < 1:
-        raise app.UsageError(f"--partitions must be an integer >= 1 or 'auto'. Received: --partitions={text}.")
-    return int(text)
-
-
-def _prepare_model_dir(path, is_chief):
-    if not is_chief:
-        return
-    try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, ".kparallax_write_test")
-        with open(probe, "w", encoding="utf-8") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        raise app.UsageError(f"--model_dir is not writable ({e.strerror}). Received: --model_dir={path}.") from None
+    return text if text == "auto" else int(text)  # checked when the flags are parsed
 
 
 def _write_json(path, data):
@@ -83,19 +70,18 @@ def main(argv):
     import kparallax as kp
     from kparallax_models import lm1b
     from kparallax_models import lm1b_data
+    from kparallax_models import script_errors
 
     tf.keras.utils.set_random_seed(FLAGS.seed)
     cluster = kp.Cluster.from_env()
     architecture = kp.options.architecture_from_env(FLAGS.architecture,
                                                     default="hybrid" if cluster.num_ps else "allreduce")
     strategy = kp.HybridStrategy(cluster, architecture=architecture, partitions=_partitions(FLAGS.partitions))
-    _prepare_model_dir(FLAGS.model_dir, strategy.is_chief)
+    if strategy.is_chief:
+        script_errors.check_writable_dir(FLAGS.model_dir, "--model_dir")
     overrides = {k: getattr(FLAGS, k) for k in ("batch_size", "num_steps", "learning_rate")
                  if getattr(FLAGS, k) is not None}
-    try:
-        config = lm1b.preset(FLAGS.config, **overrides)
-    except ValueError as e:
-        raise app.UsageError(str(e)) from None
+    config = lm1b.preset(FLAGS.config, **overrides)
     n, index = strategy.num_workers, strategy.worker_index
 
     heldout = None
@@ -109,8 +95,8 @@ def main(argv):
         vocab_size = min(config.vocab_size, len(vocab))
         files = lm1b_data.files(FLAGS.data_dir, "train")
         if len(files) < n:
-            raise app.UsageError(f"{len(files)} training file(s) for {n} workers: each worker reads its own files. "
-                                 f"Use fewer workers or more shards. Received: --data_dir={FLAGS.data_dir}.")
+            raise ValueError(f"{len(files)} training file(s) for {n} workers: each worker reads its own files. "
+                             f"Use fewer workers or more shards. Received: --data_dir={FLAGS.data_dir}.")
         x, y = lm1b_data.windows(files[index::n], vocab, config.num_steps)
         source = f"{len(files[index::n])} of {len(files)} files in {FLAGS.data_dir}"
         if FLAGS.eval:
@@ -120,8 +106,10 @@ def main(argv):
     config = lm1b.LMConfig(**{**lm1b.config_dict(config), "vocab_size": vocab_size})
     steps_per_epoch = kp.data.min_over_workers(len(x) // config.batch_size)
     if steps_per_epoch == 0:
-        raise app.UsageError(f"Worker {index} has {len(x)} windows, fewer than one batch of {config.batch_size}. "
-                             f"Received: --batch_size={config.batch_size}.")
+        what = "--synthetic_windows" if FLAGS.data == "synthetic" else "its files"
+        raise ValueError(f"A worker has fewer windows than one batch of {config.batch_size} (worker {index} has "
+                         f"{len(x)}): lower --batch_size or give the workers more windows ({what}). "
+                         f"Received: --batch_size={config.batch_size}.")
     if FLAGS.train_steps:
         steps_per_epoch = min(steps_per_epoch, FLAGS.train_steps)
         total_steps = FLAGS.train_steps
@@ -148,7 +136,7 @@ def main(argv):
                                                  strategy.is_chief)]
     if FLAGS.warmup_steps:
         callbacks.insert(0, kp.callbacks.LearningRateWarmup(config.learning_rate, FLAGS.warmup_steps))
-    saver = kp.callbacks.Checkpoint(strategy, FLAGS.model_dir, max(1, FLAGS.checkpoint_every))
+    saver = kp.callbacks.Checkpoint(strategy, FLAGS.model_dir, FLAGS.checkpoint_every)
     callbacks += [saver, kp.callbacks.StopAtStep(total_steps)]
     with strategy.scope():
         model = lm1b.LM1B(config, seed=FLAGS.seed, stream=index)

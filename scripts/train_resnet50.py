@@ -29,14 +29,17 @@ flags.DEFINE_string("data_dir", "data/imagenet", "Directory of train-*-of-* / va
 flags.DEFINE_string("model_dir", "/tmp/kparallax_resnet50", "Where config.json and TensorBoard files go.")
 flags.DEFINE_enum("architecture", None, ["hybrid", "allreduce", "ps"],
                   "kparallax architecture (default: $KPARALLAX_ARCHITECTURE, else hybrid = allreduce here).")
-flags.DEFINE_integer("batch_size", None, "Per-worker batch; default: the preset's.")
-flags.DEFINE_integer("train_steps", 0, "Optimizer steps (0: --epochs passes over the training records).")
-flags.DEFINE_integer("epochs", 1, "Passes over the training data when --train_steps=0.")
+flags.DEFINE_integer("batch_size", None, "Per-worker batch; default: the preset's.", lower_bound=1)
+flags.DEFINE_integer("train_steps", 0, "Optimizer steps (0: --epochs passes over the training records).",
+                     lower_bound=0)
+flags.DEFINE_integer("epochs", 1, "Passes over the training data when --train_steps=0.", lower_bound=1)
 flags.DEFINE_float("learning_rate", None, "Base SGD learning rate for a global batch of 256 (scaled linearly).")
-flags.DEFINE_integer("log_every", 10, "Steps between progress lines and TensorBoard writes.")
+flags.DEFINE_integer("log_every", 10, "Steps between progress lines and TensorBoard writes.", lower_bound=1)
 flags.DEFINE_integer("seed", 1, "Seed.")
 flags.DEFINE_bool("sync_batch_norm", True, "BatchNormalization statistics over all workers' batches (as one process "
                   "on the global batch); --nosync_batch_norm: each worker's own batch (Horovod's default, faster).")
+flags.register_validator("learning_rate", lambda rate: rate is None or (math.isfinite(rate) and rate > 0),
+                         "--learning_rate must be a finite number > 0")
 
 
 def main(argv):
@@ -45,15 +48,15 @@ def main(argv):
     import kparallax as kp
     from kparallax_models import imagenet_data
     from kparallax_models import resnet
+    from kparallax_models import script_errors
 
     tf.keras.utils.set_random_seed(FLAGS.seed)
     strategy = kp.HybridStrategy(kp.Cluster.from_env(), architecture=FLAGS.architecture,
                                  sync_batch_norm=FLAGS.sync_batch_norm)
     overrides = {k: getattr(FLAGS, k) for k in ("batch_size", "learning_rate") if getattr(FLAGS, k) is not None}
-    try:
-        config = resnet.preset(FLAGS.config, **overrides)
-    except ValueError as e:
-        raise app.UsageError(str(e)) from None
+    config = resnet.preset(FLAGS.config, **overrides)
+    if strategy.is_chief:
+        script_errors.check_writable_dir(FLAGS.model_dir, "--model_dir")
     n, index = strategy.num_workers, strategy.worker_index
     if FLAGS.data == "synthetic":
         data = imagenet_data.synthetic(config.batch_size, config.image_size, config.num_classes, seed=FLAGS.seed)
@@ -61,13 +64,13 @@ def main(argv):
     else:
         paths = imagenet_data.files(FLAGS.data_dir, "train")
         if len(paths) < n:
-            raise app.UsageError(f"{len(paths)} training file(s) for {n} workers: each worker reads its own files. "
-                                 f"Received: --data_dir={FLAGS.data_dir}.")
+            raise ValueError(f"{len(paths)} training file(s) for {n} workers: each worker reads its own files. "
+                             f"Use fewer workers or more files. Received: --data_dir={FLAGS.data_dir}.")
         mine = paths[index::n]
         steps_per_epoch = kp.data.min_over_workers(imagenet_data.count_records(mine) // config.batch_size)
         if steps_per_epoch == 0:
-            raise app.UsageError(f"Worker {index} has fewer records than one batch of {config.batch_size}. "
-                                 f"Received: --batch_size={config.batch_size}.")
+            raise ValueError(f"A worker has fewer records than one batch of {config.batch_size}: lower --batch_size "
+                             f"or give the workers more records. Received: --batch_size={config.batch_size}.")
         data = imagenet_data.dataset(mine, config.image_size, config.batch_size, training=True, seed=FLAGS.seed + index)
     if FLAGS.train_steps:
         steps_per_epoch = min(steps_per_epoch, FLAGS.train_steps)
@@ -76,7 +79,6 @@ def main(argv):
         epochs = FLAGS.epochs
     data = kp.data.per_worker(data)
     if strategy.is_chief:
-        os.makedirs(FLAGS.model_dir, exist_ok=True)
         with open(os.path.join(FLAGS.model_dir, "config.json"), "w", encoding="utf-8") as f:
             json.dump({"config": FLAGS.config, "model": {**vars(config)} if hasattr(config, "__dict__") else str(config),
                        "workers": n, "steps_per_epoch": steps_per_epoch, "epochs": epochs, "data": FLAGS.data},

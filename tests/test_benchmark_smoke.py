@@ -151,7 +151,11 @@ def test_bad_arguments_are_named():
                            "Received: --ps=3"),
                           (["--json", "/nonexistent-dir/b.json"], "Received: --json=/nonexistent-dir/b.json"),
                           (["--placement", "{ps}"], "--placement must be a JSON object"),
-                          (["--placement", '["ps"]'], "Received: --placement=[\"ps\"]")):
+                          (["--placement", '["ps"]'], "Received: --placement=[\"ps\"]"),
+                          (["--warmup", "0"], "Received: --warmup=0"),
+                          (["--workers", "2,0"], "Received: --workers=2,0"),
+                          (["--batch_size", "0"], "Received: --batch_size=0"),
+                          (["--model", "resnet51"], "--model: Unknown preset 'resnet51'")):
         done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "benchmark.py"), *argv],
                               capture_output=True, text=True, timeout=120, check=False)
         assert done.returncode == 2 and message in done.stderr, done.stderr

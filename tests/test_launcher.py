@@ -12,6 +12,7 @@ import portpicker
 import pytest
 
 from kparallax import testing
+from kparallax.cluster import spec as spec_lib
 from kparallax.launch import tasks as tasks_lib
 
 PROGRAMS = os.path.join(os.path.dirname(__file__), "programs")
@@ -131,12 +132,39 @@ def test_unreachable_ps_fails_within_30s_naming_the_address():
     assert elapsed < 45  # 30 s budget plus interpreter and TensorFlow start-up
 
 
-def test_launcher_rejects_bad_flags():
+def test_launcher_rejects_bad_flags(tmp_path):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "not_a_program").write_bytes(b"\x00\x01 not a program\n")
+    (tmp_path / "not_a_program").chmod(0o755)
+    logs = tmp_path / "logs"
     for argv, message in ((["--workers", "0", "--", "true"], "--workers must be >= 1. Received: --workers=0"),
-                          (["--workers", "2"], "no training command")):
+                          (["--workers", "2"], "no training command"),
+                          (["--log_dir", f"{tmp_path}/file/logs", "--", "true"],
+                           f"cannot write the tasks' logs to {tmp_path}/file/logs (Not a directory). Pass --log_dir "
+                           f"a directory this user can create and write. Received: --log_dir={tmp_path}/file/logs."),
+                          (["--", "/nonexistent/train", "x"], "cannot start the training command: '/nonexistent/train' "
+                           "is not an executable file. Give its path or a program on PATH (e.g. python train.py). "
+                           "Received: /nonexistent/train x."),
+                          (["--", "kparallax-no-such-program"], "'kparallax-no-such-program' is not on PATH"),
+                          (["--ps", "1", "--log_dir", str(logs), "--", str(tmp_path / "not_a_program")],
+                           "cannot start worker 0: Exec format error. Received: ")):
         done = subprocess.run([sys.executable, "-m", "kparallax.launch"] + argv, capture_output=True, text=True,
                               timeout=60, check=False)
-        assert done.returncode == 2 and message in done.stderr, done.stderr
+        assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+    # The PS task started before the worker could not start was stopped with the launcher (before: a traceback).
+    assert (logs / "ps-0.log").exists() and not _processes_with(f"{spec_lib.ENV_LOG_DIR}={logs}".encode())
+
+
+def _processes_with(environment_entry):
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if environment_entry in f.read().split(b"\0"):
+                    found.append(pid)
+        except OSError:
+            pass
+    return found
 
 
 def _start_long_run(tmp_path, *extra):

@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
-from kparallax_models import imagenet_data, lm1b, lm1b_data, resnet
+from kparallax_models import imagenet_data, lm1b, lm1b_data, presets, resnet
 
 
 def _lm1b_params(c):
@@ -166,6 +166,42 @@ def test_bad_vocabulary_and_missing_files_are_clear(tmp_path):
         lm1b_data.Vocabulary.load(str(tmp_path / "w.txt"))
     with pytest.raises(FileNotFoundError, match=r"No LM1B train files match .*make_lm1b_corpus.py"):
         lm1b_data.files(str(tmp_path), "train")
+    (tmp_path / "latin1.txt").write_bytes("<S> 1\ncaf\xe9 2\n".encode("latin-1"))
+    vocab = lm1b_data.Vocabulary(["<S>", "<UNK>"])
+    for read in (lm1b_data.Vocabulary.load, lambda path: lm1b_data.windows([path], vocab, 2),
+                 lambda path: lm1b_data.build_vocabulary([path], str(tmp_path / "out.txt"))):
+        with pytest.raises(ValueError, match=r"latin1.txt:2 is not UTF-8 text \(byte 0xe9 at column 4\)"):
+            read(str(tmp_path / "latin1.txt"))
+
+
+def test_bad_config_files_are_named(tmp_path):
+    cases = {"broken": ('{"model": "lm1b", "batch_size": ', r"broken.json is not valid JSON: Expecting value at line 1"),
+             "array": ('["lm1b"]', r"must hold one JSON object of fields .*Received: a JSON array"),
+             "unnamed": ('{"batch_size": 4}', r'"model": "lm1b" .*Received: "model": null'),
+             "typo": ('{"model": "lm1b", "batch_sz": 4}', r"field\(s\) that LMConfig does not know: .*'batch_size'.*"
+                                                          r"Received: \['batch_sz'\]")}
+    for name, (text, message) in cases.items():
+        (tmp_path / f"{name}.json").write_text(text)
+        with pytest.raises(ValueError, match=message):
+            lm1b.preset(str(tmp_path / f"{name}.json"))
+    (tmp_path / "r.json").write_text('{"model": "resnet", "blockz": [1]}')
+    with pytest.raises(ValueError, match=r"field\(s\) that ResNetConfig does not know: .*Received: \['blockz'\]"):
+        resnet.preset(str(tmp_path / "r.json"))
+    with pytest.raises(ValueError, match=r"Unknown preset 'lm2b'; choose one of \['lm1b', .*'resnet50_tiny'\]"):
+        presets.model_of("lm2b")
+    assert presets.model_of("lm1b_tiny") == "lm1b" and presets.model_of(str(tmp_path / "r.json")) == "resnet"
+
+
+def test_a_file_that_is_not_a_tfrecord_is_named(tmp_path):
+    good = str(tmp_path / "train-00000-of-00002")
+    with tf.io.TFRecordWriter(good) as writer:
+        imagenet_data.write_example(writer, tf.io.encode_jpeg(np.zeros((8, 8, 3), np.uint8)).numpy(), 1)
+    bad = tmp_path / "train-00001-of-00002"
+    bad.write_bytes(b"not a record file, just text that happens to be here\n" * 20)
+    assert imagenet_data.count_records([good]) == 1
+    with pytest.raises(ValueError, match=r"train-00001-of-00002 is not a readable TFRecord file \(corrupted record "
+                                         r"at 0 .*\)\. Rewrite it or move it out of --data_dir"):
+        imagenet_data.count_records([good, str(bad)])
 
 
 def test_offline_corpus_is_real_text_in_the_lm1b_layout(tmp_path):
@@ -204,7 +240,8 @@ def test_presets_are_the_json_files_in_configs(tmp_path):
     assert lm1b.preset(str(custom)).vocab_size == 500
     with pytest.raises(ValueError, match=r"Unknown lm1b preset 'lm2b'; choose one of \['lm1b', 'lm1b_small', 'lm1b_sparse', 'lm1b_tiny'\]"):
         lm1b.preset("lm2b")
-    with pytest.raises(ValueError, match=r"is not a resnet config"):
+    with pytest.raises(ValueError, match=r'must say which model it configures with "model": "resnet" .*Received: '
+                                         r'"model": "lm1b"'):
         resnet.preset(str(custom))
     assert lm1b.make_optimizer(lm1b.preset("lm1b_tiny")).global_clipnorm is None
     assert lm1b.make_optimizer(lm1b.preset("lm1b_tiny", global_clipnorm=2.5)).global_clipnorm == 2.5

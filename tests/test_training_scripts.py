@@ -131,6 +131,50 @@ def test_bad_flags_and_data_give_one_clear_error(tmp_path):
     bad = subprocess.run([sys.executable, LM1B, "--partitions=zero"], capture_output=True, text=True, timeout=120,
                          check=False)
     assert bad.returncode != 0 and "--partitions must be an integer >= 1 or 'auto'" in bad.stderr
+    few = subprocess.run([sys.executable, LM1B, "--config=lm1b_tiny", "--data=synthetic", "--synthetic_windows=3",
+                          f"--model_dir={tmp_path}/f"], capture_output=True, text=True, timeout=120, check=False)
+    assert few.returncode == 2 and "fewer windows than one batch of 16 (worker 0 has 3)" in few.stderr, few.stderr
+    for done in (unwritable, preset, bad, few):  # one line, not the script's whole help before it
+        assert "flags:" not in done.stdout + done.stderr and "Trains the LM1B" not in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("script, flag, message", [
+    ("lm1b", "--batch_size=0", "flag --batch_size=0: 0 is not a positive integer"),
+    ("lm1b", "--learning_rate=-1", "flag --learning_rate=-1.0: --learning_rate must be a finite number > 0"),
+    ("lm1b", "--checkpoint_every=-1", "flag --checkpoint_every=-1: -1 is not a positive integer"),
+    ("lm1b", "--train_steps=-1", "flag --train_steps=-1: -1 is not a non-negative integer"),
+    ("lm1b", "--epochs=0", "flag --epochs=0: 0 is not a positive integer"),
+    ("lm1b", "--warmup_steps=-5", "flag --warmup_steps=-5: -5 is not a non-negative integer"),
+    ("resnet", "--batch_size=0", "flag --batch_size=0: 0 is not a positive integer"),
+    ("resnet", "--learning_rate=nan", "flag --learning_rate=nan: --learning_rate must be a finite number > 0"),
+    ("resnet", "--log_every=0", "flag --log_every=0: 0 is not a positive integer")])
+def test_out_of_range_flags_stop_before_training(script, flag, message, tmp_path):
+    """Before, a negative learning rate trained to a loss of 7e7, --checkpoint_every=-1 checkpointed every step and
+    --train_steps=-1 ended at once with exit 0."""
+    script = {"lm1b": LM1B, "resnet": RESNET}[script]
+    done = subprocess.run([sys.executable, script, flag, "--data=synthetic", f"--model_dir={tmp_path}/m"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1 and message in done.stderr, done.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "m")
+
+
+def test_unreadable_data_files_are_named(tmp_path):
+    data = tmp_path / "data"
+    (data / "training-monolingual.tokenized.shuffled").mkdir(parents=True)
+    (data / "1b_word_vocab.txt").write_text("<S> 2\n</S> 2\n<UNK> 0\nthe 2\ncat 1\n")
+    first = data / "training-monolingual.tokenized.shuffled" / "news.en-00001-of-00001"
+    first.write_bytes(b"the cat\n" * 50 + b"\xff\xfe\n")
+    text = subprocess.run([sys.executable, LM1B, "--config=lm1b_tiny", f"--data_dir={data}", f"--model_dir={tmp_path}/m"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert text.returncode == 2 and f"{first.name}:" in text.stderr and "is not UTF-8 text (byte 0xff" in text.stderr, \
+        text.stderr[-2000:]
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "train-00000-of-00001").write_bytes(b"\x00" * 100)
+    records = subprocess.run([sys.executable, RESNET, "--config=resnet50_tiny", f"--data_dir={tmp_path}/img",
+                              f"--model_dir={tmp_path}/r"], capture_output=True, text=True, timeout=120, check=False)
+    assert records.returncode == 2 and "train-00000-of-00001 is not a readable TFRecord file" in records.stderr, \
+        records.stderr[-2000:]
+    assert "Traceback" not in text.stderr + records.stderr
 
 
 @pytest.mark.multiprocess

@@ -14,10 +14,13 @@ Ctrl-C, every task on every host is stopped and the launcher exits with the fail
 """
 
 import argparse
+import os
+import shutil
 import sys
 
 from kparallax.core import options as options_lib  # TF-free: the architecture names
 from kparallax.launch import cluster_file
+from kparallax.launch import env as env_lib
 
 
 def _parser():
@@ -117,8 +120,31 @@ def _parse(argv):
     return args
 
 
+def missing_program(command):
+    """Why this host cannot start ``command`` (its program is not an executable file, or not on ``PATH``), or None."""
+    program = command[0]
+    if os.sep in program:
+        if os.path.isfile(program) and os.access(program, os.X_OK):
+            return None
+        return f"{program!r} is not an executable file"
+    return None if shutil.which(program) else f"{program!r} is not on PATH"
+
+
 def run(argv=None):
     args = _parse(sys.argv[1:] if argv is None else argv)
+    try:
+        return _run(args)
+    except env_lib.UsageError as e:
+        print(f"kparallax-run: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args):
+    if args.plan is None or args.host_index is not None:  # the tasks start here: their program must be here
+        why = missing_program(args.command)
+        if why:
+            raise env_lib.UsageError(f"cannot start the training command: {why}. Give its path or a program on PATH "
+                                     f"(e.g. python train.py). Received: {' '.join(args.command)}.")
     if args.plan is None:
         from kparallax.launch import local  # pylint: disable=import-outside-toplevel
         return local.run(args)

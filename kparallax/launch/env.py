@@ -6,15 +6,28 @@ import hashlib
 import json
 import os
 import signal
+import tempfile
 
 from kparallax._compat import bind_shim
 from kparallax.cluster import spec as spec_lib
 from kparallax.core import options as options_lib  # TF-free: the architecture names and their variable
 
 
+class UsageError(ValueError):
+    """Bad launcher input found after parsing (``kparallax-run: error: ...``, exit 2)."""
+
+
 def log_dir_for(args, run_id):
+    """The run's log directory, created; a directory that cannot be created or written is a ``UsageError``."""
     log_dir = os.path.abspath(args.log_dir or os.path.join("kparallax-logs", run_id))
-    os.makedirs(log_dir, exist_ok=True)
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=log_dir):
+            pass
+    except OSError as e:
+        flag = f"--log_dir={args.log_dir}" if args.log_dir else f"the default log directory {log_dir}"
+        raise UsageError(f"cannot write the tasks' logs to {log_dir} ({e.strerror}). Pass --log_dir a directory "
+                         f"this user can create and write. Received: {flag}.") from None
     return log_dir
 
 

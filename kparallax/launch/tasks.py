@@ -12,6 +12,7 @@ from typing import Callable, List, Optional
 
 from kparallax import log
 from kparallax.cluster import net
+from kparallax.launch import env as env_lib
 
 GRACE_SECONDS = 10.0
 _PR_SET_PDEATHSIG = 1
@@ -100,8 +101,12 @@ def spawn(role, index, command, env, log_dir, echo, stdin=subprocess.DEVNULL, ra
     """
     log_path = os.path.join(log_dir, f"{role}-{index}.log")
     log_file = open(log_path, "wb")  # pylint: disable=consider-using-with
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               stdin=stdin, preexec_fn=die_with_parent)
+    try:
+        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   stdin=stdin, preexec_fn=die_with_parent)
+    except OSError as e:  # e.g. not a program this system can run; the caller stops the tasks already started
+        log_file.close()
+        raise env_lib.UsageError(f"cannot start {role} {index}: {e.strerror}. Received: {' '.join(command)}.") from None
     prefix = (b"" if raw else f"[{role} {index}] ".encode()) if echo else None
     output = threading.Thread(target=_tee, args=(process.stdout, log_file, prefix), daemon=True)
     output.start()
