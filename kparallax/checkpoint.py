@@ -18,6 +18,7 @@ restored model starts at the checkpoint's epoch and step within it, with each wo
 import json
 import os
 import shutil
+import zipfile
 
 import numpy as np
 import tensorflow as tf
@@ -138,8 +139,9 @@ def latest(directory):
     pointer = os.path.join(directory, POINTER)
     if not os.path.isfile(pointer):
         return None
-    with open(pointer, encoding="utf-8") as f:
-        name = json.load(f)["latest"]
+    name = _read_json(pointer).get("latest")
+    if not isinstance(name, str):
+        raise _damaged(directory, f"no checkpoint name under 'latest': {name!r}", None, POINTER)
     path = os.path.join(directory, name)
     if not os.path.isfile(os.path.join(path, "meta.json")):
         raise ValueError(f"{pointer} points at {name}, which is incomplete or missing. Received: {path}.")
@@ -160,8 +162,7 @@ def restore(strategy, model, path, continue_fit=False):
     clones = _clones(model)
     tf_compat.async_wait()  # every earlier write of this worker (e.g. set_weights) lands before worker 0 restores
     collectives.eager_barrier(strategy.num_workers, name="kp_restore_begin")
-    with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
-        meta = json.load(f)
+    meta = _read_json(os.path.join(path, "meta.json"), path)
     # Variables the run that wrote it moved onto PS tasks at its first step (sparse gradients) move now, before
     # their state is set, as that run's first step would have moved them.
     strategy.move_recorded(model, meta.get("moved", []))
@@ -169,7 +170,7 @@ def restore(strategy, model, path, continue_fit=False):
     if meta["num_weights"] != len(groups):
         raise ValueError(f"Checkpoint {path} holds {meta['num_weights']} weights but the model has {len(groups)}: "
                          f"it was written for another model. Received: {path}.")
-    with np.load(os.path.join(path, "state.npz")) as data:
+    with _State(path) as data:
         for i, variables in enumerate(groups):
             if not strategy.is_chief and all(strategy.is_ps_variable(v) for v in variables):
                 continue  # worker 0 writes the shared PS copy
@@ -206,3 +207,60 @@ def restore(strategy, model, path, continue_fit=False):
     logging.info("checkpoint: restored step %d from %s", meta["step"], path)
     tf.keras.backend.set_value(model.optimizer.iterations, meta["step"])
     return meta
+
+
+
+def _read_json(file, path=None):
+    """The JSON object in ``file`` of checkpoint ``path`` (None: ``file`` is the pointer); a ``ValueError`` with the
+    fix if it cannot be read."""
+    directory = os.path.dirname(path or file)
+    try:
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise _damaged(directory, e, path, os.path.basename(file)) from None
+    if not isinstance(data, dict):
+        raise _damaged(directory, f"a JSON {type(data).__name__}, not an object", path, os.path.basename(file))
+    return data
+
+
+class _State:
+    """A checkpoint's ``state.npz``, read array by array; one that cannot be read is a ``ValueError`` with the fix
+    (``np.load`` raises zipfile, EOF, OS or value errors for a truncated or overwritten file)."""
+
+    _ERRORS = (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile)
+
+    def __init__(self, path):
+        self._path = path
+        try:
+            self._data = np.load(os.path.join(path, "state.npz"))
+        except self._ERRORS as e:
+            raise _damaged(os.path.dirname(path), e, path, "state.npz") from None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._data.close()
+
+    def __getitem__(self, key):
+        try:
+            return self._data[key]
+        except self._ERRORS as e:
+            raise _damaged(os.path.dirname(self._path), e, self._path, f"state.npz ({key})") from None
+
+
+def _damaged(directory, reason, path, what):
+    """The error for a file ``what`` of checkpoint ``path`` (None: the pointer ``what`` of ``directory``) that cannot
+    be read; it names the latest other complete checkpoint in ``directory`` to resume from."""
+    pointer = os.path.join(directory, POINTER)
+    reason = f"{type(reason).__name__}: {reason}" if isinstance(reason, BaseException) else reason
+    others = sorted((int(name[5:]) for name in os.listdir(directory) if name.startswith("ckpt-") and name[5:].isdigit()
+                     and os.path.join(directory, name) != path
+                     and os.path.isfile(os.path.join(directory, name, "meta.json"))), reverse=True)
+    fix = "No other checkpoint is there: train from the start in a new directory"
+    if others:
+        fix = (f"To resume from ckpt-{others[0]}, " + (f"move {path} away and " if path else "") +
+               f'write {{"latest": "ckpt-{others[0]}", "step": {others[0]}}} into {pointer}')
+    what = f"Checkpoint {path} is damaged: its {what}" if path else f"The checkpoint pointer {pointer}"
+    return ValueError(f"{what} cannot be read ({reason}). {fix}. Received: {path or pointer}.")

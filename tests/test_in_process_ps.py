@@ -5,7 +5,9 @@ and the aggregation math without the launcher. Expected values come from plain K
 """
 
 import contextlib
+import json
 import logging
+import os
 import threading
 
 import numpy as np
@@ -227,6 +229,46 @@ def test_fit_after_restore_continues_the_epoch_its_step_and_its_metric_averages(
         np.testing.assert_allclose(history.history[key], expected[key][1:], rtol=1e-5, err_msg=key)
     for got, want in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_damaged_checkpoint_is_named_with_the_one_to_resume_from(strategy, tmp_path):
+    """Checkpoints are written atomically, but a disk or a hand can still damage one: each damage is one ValueError
+    naming the file and the latest other checkpoint (before: BadZipFile, KeyError or JSONDecodeError tracebacks),
+    and following the fix resumes from it."""
+    x, y = _data()
+    with strategy.scope():
+        model = _model("fast_damaged")
+        model.compile(optimizer=tf.keras.optimizers.Adagrad(0.2), loss="mse")
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[kp.callbacks.Checkpoint(strategy, str(tmp_path), every_steps=2)])
+        newest = kp.checkpoint.latest(str(tmp_path))
+        steps = sorted(int(p.name[5:]) for p in tmp_path.glob("ckpt-*"))
+        assert newest == str(tmp_path / f"ckpt-{steps[-1]}") and len(steps) == 3
+        fix = (rf'To resume from ckpt-{steps[-2]}, move {newest} away and write \{{"latest": "ckpt-{steps[-2]}", '
+               rf'"step": {steps[-2]}\}} into {tmp_path}/checkpoint.json\. Received: {newest}\.')
+        state = tmp_path / f"ckpt-{steps[-1]}" / "state.npz"
+        whole = state.read_bytes()
+        damages = {"truncated": (whole[:len(whole) // 2], r"its state.npz cannot be read \(BadZipFile: File is not a "
+                                                          r"zip file\)"),
+                   "overwritten": (whole[:len(whole) // 2] + b"\xff" * 64 + whole[len(whole) // 2 + 64:],
+                                   r"its state.npz \(\w+\) cannot be read \(BadZipFile: Bad CRC-32")}
+        for name, (damaged, reason) in damages.items():
+            state.write_bytes(damaged)
+            with pytest.raises(ValueError, match=rf"Checkpoint {newest} is damaged: {reason}.*{fix}"):
+                kp.checkpoint.restore(strategy, model, newest)
+        state.write_bytes(whole)
+        meta = tmp_path / f"ckpt-{steps[-1]}" / "meta.json"
+        meta.write_text('{"step": ')
+        with pytest.raises(ValueError, match=rf"its meta.json cannot be read \(JSONDecodeError: .*{fix}"):
+            kp.checkpoint.restore(strategy, model, newest)
+        (tmp_path / "checkpoint.json").write_text("[]")
+        with pytest.raises(ValueError, match=rf"The checkpoint pointer {tmp_path}/checkpoint.json cannot be read "
+                                             rf"\(a JSON list, not an object\)\. To resume from ckpt-{steps[-1]}, write"):
+            kp.checkpoint.latest(str(tmp_path))
+        os.rename(tmp_path / f"ckpt-{steps[-1]}", tmp_path.parent / f"{tmp_path.name}-moved-away")  # the fix
+        (tmp_path / "checkpoint.json").write_text(json.dumps({"latest": f"ckpt-{steps[-2]}", "step": steps[-2]}))
+        assert kp.checkpoint.restore(strategy, model, kp.checkpoint.latest(str(tmp_path)))["step"] == steps[-2]
+        assert int(model.optimizer.iterations.numpy()) == steps[-2]
 
 
 def _constrained(name, constraint):

@@ -67,13 +67,14 @@ class Failure:
 
 QUIET_PREFIX = log.PREFIX.encode()  # kparallax's INFO lines: in the task's log, not the terminal
 _OP_FAILED = b"OP_REQUIRES failed at "  # TensorFlow's C++ warning as an op's error unwinds
+_SHUT_DOWN = log.HOROVOD_SHUT_DOWN.encode()
 
 
 def _quiet(line):
     """Lines kept in the task's log but not shown in the terminal: kparallax's INFO lines, and TensorFlow's C++
     warnings of the Horovod ops a worker's collective ended with when another worker stopped (the worker's own
     one-line error says it)."""
-    return line.startswith(QUIET_PREFIX) or (_OP_FAILED in line and log.HOROVOD_SHUT_DOWN.encode() in line)
+    return line.startswith(QUIET_PREFIX) or (_OP_FAILED in line and _SHUT_DOWN in line)
 
 
 def _tee(stream, log_file, prefix):
@@ -295,7 +296,7 @@ def _collateral(task, max_bytes=16384):
     """Whether the exited worker ``task`` stopped only because another worker left a collective (its log ends with
     Horovod's shutdown error)."""
     task.log_complete()
-    return log.HOROVOD_SHUT_DOWN.encode() in _log_end(task, max_bytes)
+    return _SHUT_DOWN in _log_end(task, max_bytes)
 
 
 def _cause(tasks, failed, elsewhere=None):
