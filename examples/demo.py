@@ -1,7 +1,7 @@
 """Demo: a small Embedding + Dense classifier trained with kparallax.
 
     kparallax-run --workers 2 --ps 1 -- python examples/demo.py          # 2 workers + 1 PS on this machine
-    python examples/demo.py --no_ps                                       # one plain process, no PS
+    python examples/demo.py --architecture allreduce                      # one plain process, no PS
 
 Synthetic data: each example is 8 token ids (Zipf-like over a 20,000-word vocabulary); the label is a fixed
 function of the ids, so the loss falls as the model learns it. Prints loss, accuracy and samples/s on worker 0.
@@ -35,17 +35,30 @@ def build_model():
     return tf.keras.Model(inputs, outputs)
 
 
+def _at_least_one(text):
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1. Received: {text!r}")
+    return int(text)
+
+
+def _partitions(text):
+    if text != "auto" and (not text.isdigit() or int(text) < 1):
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 or 'auto'. Received: {text!r}")
+    return text if text == "auto" else int(text)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch_size", type=int, default=64, help="per worker")
-    parser.add_argument("--examples", type=int, default=32768)
-    parser.add_argument("--partitions", default="1", help="row shards per table: an integer or 'auto'")
+    parser.add_argument("--epochs", type=_at_least_one, default=3)
+    parser.add_argument("--batch_size", type=_at_least_one, default=64, help="per worker")
+    parser.add_argument("--examples", type=_at_least_one, default=32768)
+    parser.add_argument("--partitions", type=_partitions, default=1, help="row shards per table: an integer or 'auto'")
+    parser.add_argument("--architecture", choices=kp.options.ARCHITECTURES, default=None,
+                        help="default: kparallax-run's --architecture, else hybrid (which needs PS tasks)")
     parser.add_argument("--no_local_aggregation", action="store_true",
                         help="every worker pushes its own sparse gradient (default: one push per host)")
     args = parser.parse_args()
-    strategy = kp.HybridStrategy(kp.Cluster.from_env(),
-                                 partitions=args.partitions if args.partitions == "auto" else int(args.partitions),
+    strategy = kp.HybridStrategy(kp.Cluster.from_env(), architecture=args.architecture, partitions=args.partitions,
                                  local_aggregation=not args.no_local_aggregation)
     x, y = make_data(args.examples)
     with strategy.scope():

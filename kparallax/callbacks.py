@@ -19,6 +19,9 @@ class Throughput(tf.keras.callbacks.Callback):
 
     def __init__(self, global_batch_size, unit="samples", skip_steps=2):
         super().__init__()
+        if not global_batch_size > 0 or skip_steps < 0:
+            raise ValueError(f"Throughput needs global_batch_size > 0 and skip_steps >= 0. Received: "
+                             f"global_batch_size={global_batch_size}, skip_steps={skip_steps}.")
         self._global_batch = global_batch_size
         self._unit = unit
         self._skip = skip_steps
@@ -123,6 +126,8 @@ class TensorBoardScalars(tf.keras.callbacks.Callback):
 
     def __init__(self, log_dir, every=10, is_chief=True):
         super().__init__()
+        if every < 1:
+            raise ValueError(f"every must be >= 1. Received: every={every}.")
         self._log_dir, self._every, self._chief = log_dir, every, is_chief
         self._writer, self._last = None, (0, 0, 0)  # (optimizer step, dense bytes, sparse bytes) at the last write
 
@@ -167,14 +172,15 @@ class Checkpoint(tf.keras.callbacks.Callback):
       strategy: the ``HybridStrategy``.
       directory: where ``ckpt-<step>/`` and ``checkpoint.json`` go (visible to every worker for resuming).
       every_steps: optimizer steps between checkpoints.
-      keep: checkpoints kept.
+      keep: the newest checkpoints kept (0: all).
       extra: optional callable returning a JSON-able dict saved with each checkpoint (e.g. the data position).
     """
 
     def __init__(self, strategy, directory, every_steps, keep=3, extra=None):
         super().__init__()
-        if every_steps < 1:
-            raise ValueError(f"every_steps must be >= 1. Received: every_steps={every_steps}.")
+        if every_steps < 1 or keep < 0:
+            raise ValueError(f"Checkpoint needs every_steps >= 1 and keep >= 0 (0: all). Received: "
+                             f"every_steps={every_steps}, keep={keep}.")
         self._strategy, self._directory, self._every, self._keep, self._extra = (
             strategy, directory, every_steps, keep, extra)
         self._last = None
@@ -217,6 +223,8 @@ class StopAtStep(tf.keras.callbacks.Callback):
 
     def __init__(self, total_steps):
         super().__init__()
+        if total_steps < 0:
+            raise ValueError(f"total_steps must be >= 0. Received: total_steps={total_steps}.")
         self._total = total_steps
 
     def on_train_batch_end(self, batch, logs=None):

@@ -74,7 +74,8 @@ def _ps_groups(strategy, model):
 
 
 def save(strategy, model, directory, extra=None, keep=3, metric_states=None):
-    """Writes ``DIR/ckpt-<step>`` atomically and points ``DIR/checkpoint.json`` at it. Call on worker 0 only.
+    """Writes ``DIR/ckpt-<step>`` atomically and points ``DIR/checkpoint.json`` at it, keeping the ``keep`` newest
+    checkpoints (0: all). Call on worker 0 only.
 
     ``metric_states``: every worker's metrics as ``resume.gather_metric_states`` returns them (a collective the
     caller runs on all workers), so that a resumed ``fit`` continues their averages; None: they restart.

@@ -31,6 +31,10 @@ def test_architecture_comes_from_the_launcher_env_unless_given(monkeypatch):
     monkeypatch.setenv(options_lib.ARCHITECTURE_ENV, "ps")
     assert options_lib.architecture_from_env(None) == "ps"
     assert options_lib.architecture_from_env("allreduce") == "allreduce"
+    monkeypatch.setenv(options_lib.ARCHITECTURE_ENV, "pss")
+    with pytest.raises(ValueError, match=r"\$KPARALLAX_ARCHITECTURE must be one of \('hybrid', 'allreduce', 'ps'\) "
+                                         r"\(or unset\)\. Received: KPARALLAX_ARCHITECTURE='pss'\."):
+        options_lib.architecture_from_env(None)
 
 
 def test_search_candidates_are_powers_of_two_from_num_ps():

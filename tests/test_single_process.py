@@ -94,6 +94,21 @@ def test_throughput_callback_reports_a_rate(strategy):
     assert history.history["samples_per_sec"][0] > 0
 
 
+@pytest.mark.parametrize("make, message", [
+    (lambda s: kp.callbacks.Throughput(global_batch_size=0), r"global_batch_size > 0 .*Received: global_batch_size=0"),
+    (lambda s: kp.callbacks.StepLogger(0, 32), r"every must be >= 1. Received: every=0."),
+    (lambda s: kp.callbacks.TensorBoardScalars("/tmp/unused", every=0), r"every must be >= 1. Received: every=0."),
+    (lambda s: kp.callbacks.Checkpoint(s, "/tmp/unused", every_steps=0), r"Received: every_steps=0, keep=3."),
+    (lambda s: kp.callbacks.Checkpoint(s, "/tmp/unused", 5, keep=-1), r"keep >= 0 \(0: all\)"),
+    (lambda s: kp.callbacks.StopAtStep(-1), r"total_steps must be >= 0. Received: total_steps=-1."),
+    (lambda s: kp.callbacks.LearningRateWarmup(0.1, 0), r"Received: target=0.1, warmup_steps=0.")])
+def test_callback_arguments_out_of_range_are_named(strategy, make, message):
+    """Before, TensorBoardScalars(every=0) failed at the first step (ZeroDivisionError) and StopAtStep(-1) or
+    Throughput(global_batch_size=0) ran on with meaningless results."""
+    with pytest.raises(ValueError, match=message):
+        make(strategy)
+
+
 def test_an_id_outside_the_table_is_explained():
     strategy = kp.HybridStrategy(kp.Cluster.local(), architecture="allreduce")
     with strategy.scope():

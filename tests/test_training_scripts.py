@@ -177,6 +177,17 @@ def test_unreadable_data_files_are_named(tmp_path):
     assert "Traceback" not in text.stderr + records.stderr
 
 
+def test_the_demo_runs_as_one_plain_process_as_its_docstring_says():
+    """Its docstring's plain-process command (before: an unknown --no_ps flag) and a bad flag's one line."""
+    demo = os.path.join(ROOT, "examples", "demo.py")
+    done = subprocess.run([sys.executable, demo, "--architecture", "allreduce", "--epochs", "1", "--examples", "2000"],
+                          capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode == 0 and "workers=1 ps=0 final loss=" in done.stdout, done.stderr[-2000:]
+    bad = subprocess.run([sys.executable, demo, "--epochs", "0"], capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert bad.returncode == 2 and "argument --epochs: must be an integer >= 1. Received: '0'" in bad.stderr
+
+
 @pytest.mark.multiprocess
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     run = testing.run_local([sys.executable, LM1B, "--config=lm1b_tiny", "--data=synthetic", "--synthetic_windows=512",

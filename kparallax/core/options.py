@@ -92,4 +92,8 @@ def architecture_from_env(explicit: Optional[str], default: str = "hybrid") -> s
     --architecture``), else ``default``."""
     if explicit is not None:
         return explicit
-    return os.environ.get(ARCHITECTURE_ENV) or default
+    value = os.environ.get(ARCHITECTURE_ENV)
+    if value and value not in ARCHITECTURES:
+        raise ValueError(f"${ARCHITECTURE_ENV} must be one of {ARCHITECTURES} (or unset). "
+                         f"Received: {ARCHITECTURE_ENV}={value!r}.")
+    return value or default

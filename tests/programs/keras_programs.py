@@ -29,6 +29,14 @@ def _init(model, seed=21):
                        for v, w in zip(model.weights, model.get_weights())])
 
 
+def _pooled_regressor():
+    """ids -> Embedding -> GlobalAveragePooling1D -> Dense(1), at the fixed weights of ``_init``."""
+    model = tf.keras.Sequential([tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB),
+                                 tf.keras.layers.GlobalAveragePooling1D(), tf.keras.layers.Dense(1)])
+    _init(model)
+    return model
+
+
 def _fit_on_partial_batches(scope, batch, seed, make_model, learning_rate, loss=None):
     """``make_model()`` called on one row, set to fixed weights, compiled with SGD(``learning_rate``) (and ``loss``)
     and fit for 2 epochs on ids -> y from a dataset of ROWS - 10 rows batched by ``batch``, whose last batch is
@@ -789,9 +797,7 @@ def self_sharded_dataset(scope, batch):
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
     data = tf.data.Dataset.from_tensor_slices((ids[:rows], y[:rows])).shard(RUN_WORKERS, RANK)
     with scope():
-        model = tf.keras.Sequential([tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB),
-                                     tf.keras.layers.GlobalAveragePooling1D(), tf.keras.layers.Dense(1)])
-        _init(model)
+        model = _pooled_regressor()
         model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="mse", metrics=["mae"])
         history = model.fit(data.batch(batch).with_options(options), epochs=2, verbose=0)
     model.logged = [np.array([history.history[key] for key in sorted(history.history)])]
@@ -1113,9 +1119,7 @@ def validation_summed_loss(scope, batch):
     ids, rng = _ids(14)
     y = rng.normal(size=(ROWS, 1)).astype(np.float32)
     with scope():
-        model = tf.keras.Sequential([tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB),
-                                     tf.keras.layers.GlobalAveragePooling1D(), tf.keras.layers.Dense(1)])
-        _init(model)
+        model = _pooled_regressor()
         model.compile(optimizer=tf.keras.optimizers.SGD(0.001),
                       loss=tf.keras.losses.MeanSquaredError(reduction="sum"), metrics=["mae"])
         history = model.fit(ids[:96], y[:96], batch_size=batch, epochs=2, shuffle=False, verbose=0,
@@ -1132,9 +1136,7 @@ def learning_rate_callbacks(scope, batch):
     ids, rng = _ids(57)
     y = rng.normal(size=(ROWS, 1)).astype(np.float32)
     with scope():
-        model = tf.keras.Sequential([tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB),
-                                     tf.keras.layers.GlobalAveragePooling1D(), tf.keras.layers.Dense(1)])
-        _init(model)
+        model = _pooled_regressor()
         model.compile(optimizer=tf.keras.optimizers.Adam(0.05), loss="mse", metrics=["mae"])
         halve_late = tf.keras.callbacks.LearningRateScheduler(lambda epoch, rate: rate * 0.5 if epoch >= 3 else rate)
         plateau = tf.keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=1e9)
@@ -1169,9 +1171,7 @@ def stop_on_one_worker(scope, batch):
     ids, rng = _ids(62)
     y = rng.normal(size=(ROWS, 1)).astype(np.float32)
     with scope():
-        model = tf.keras.Sequential([tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB),
-                                     tf.keras.layers.GlobalAveragePooling1D(), tf.keras.layers.Dense(1)])
-        _init(model)
+        model = _pooled_regressor()
         model.compile(optimizer=tf.keras.optimizers.Adam(0.05), loss="mse")
         first = model.fit(ids, y, batch_size=batch, epochs=3, shuffle=False, verbose=0,
                           callbacks=[_StopOnOneWorker(0, batch=3)])
