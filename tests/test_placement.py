@@ -38,6 +38,10 @@ def test_bad_rules():
         Placement({"x": "gpu"})
     with pytest.raises(ValueError, match="not a valid regular expression"):
         Placement({"(": "ps"})
+    with pytest.raises(ValueError, match=r"key is a regex \(a string\).*Received: \{3: 'ps'\}"):  # was a TypeError
+        Placement({3: "ps"})
+    with pytest.raises(ValueError, match=r"placement must be a dict .*Received: list \['embedding'\]"):
+        Placement(["embedding"])
 
 
 def test_architectures_change_the_defaults():

@@ -109,6 +109,35 @@ def test_callback_arguments_out_of_range_are_named(strategy, make, message):
         make(strategy)
 
 
+def test_assignments_are_hooked_only_while_combining():
+    """The hook kparallax's step uses to combine a layer's aggregated variables over the workers: it sees assign,
+    assign_add and assign_sub of Keras' and plain variables, eagerly and traced, uses the value it returns, and
+    leaves every assignment outside it to TensorFlow."""
+    from kparallax._compat import assign_hook  # pylint: disable=import-outside-toplevel
+    layer = tf.keras.layers.Layer()
+    weight = layer.add_weight("w", [], initializer="zeros", trainable=False, aggregation=tf.VariableAggregation.MEAN)
+    plain = tf.Variable(1.0)
+    seen = []
+
+    def doubled(variable, method, value):
+        seen.append((variable.name, method))
+        return value * 2 if variable is weight else value
+
+    @tf.function
+    def step():
+        weight.assign_sub(1.0)
+        return weight.read_value()
+
+    with assign_hook.combining(doubled):
+        weight.assign(3.0)
+        weight.assign_add(1.0)
+        plain.assign(5.0)
+        assert float(step()) == 6.0  # (3 * 2 + 1 * 2) - 1 * 2
+    weight.assign(1.0)
+    assert float(weight.numpy()) == 1.0 and float(plain.numpy()) == 5.0
+    assert seen == [("w:0", "assign"), ("w:0", "assign_add"), ("Variable:0", "assign"), ("w:0", "assign_sub")]
+
+
 def test_an_id_outside_the_table_is_explained():
     strategy = kp.HybridStrategy(kp.Cluster.local(), architecture="allreduce")
     with strategy.scope():

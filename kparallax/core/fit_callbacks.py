@@ -1,6 +1,7 @@
 """The callbacks ``fit`` adds under a HybridStrategy, in this order: replicated weights synchronized from worker 0,
 (the partition search), epoch metrics averaged over workers, and the per-worker progress file the launcher
-watches; after the user's callbacks, the agreement on stopping (``SameStop``)."""
+watches; then the check that the first step left the model's replicated non-trainable variables equal on every
+worker (``SameState``); after the user's callbacks, the agreement on stopping (``SameStop``)."""
 
 import inspect
 import os
@@ -11,6 +12,7 @@ import tensorflow as tf
 from kparallax._compat import tf as tf_compat
 from kparallax.step import collectives
 from kparallax.step import logs as logs_lib
+from kparallax.step import state_variables
 
 
 class ReplicatedWeights:
@@ -230,3 +232,24 @@ class SameStop(tf.keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self._agree("epoch")
+
+
+class SameState(tf.keras.callbacks.Callback):
+    """After ``fit``'s first step, compares the model's replicated non-trainable variables that a step could assign
+    on each worker alone (``state_variables.candidates``) over the workers, and stops ``fit`` with the fix if the
+    step left any different (one small allgather per ``fit``; none for a model without such variables)."""
+
+    def __init__(self, strategy):
+        super().__init__()
+        self._strategy = strategy
+        self._checked = False
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._checked:
+            return
+        self._checked = True
+        variables = state_variables.candidates(self.model, self._strategy.is_ps_variable)
+        if variables:
+            different = state_variables.differing(variables, self._strategy.num_workers, "kp_same_state")
+            if different:
+                raise state_variables.refuse_differing(different)

@@ -53,6 +53,7 @@ from kparallax.step import logs as logs_lib
 from kparallax.step import global_losses
 from kparallax.step import gradient_transforms
 from kparallax.step import scalar_metrics
+from kparallax.step import state_variables
 from kparallax.step import train_step
 
 _LOCAL = threading.local()
@@ -345,7 +346,8 @@ def _train_step(original, model, data):
                   if strategy.num_workers > 1 else contextlib.nullcontext())
     with (statistics, global_losses.workers(strategy.num_workers, share), _worker_random_seed(strategy),
           _in_step(strategy), gradient_transforms.recording(),
-          scalar_metrics.weighing(model, data, strategy.num_workers, share)):
+          scalar_metrics.weighing(model, data, strategy.num_workers, share),
+          state_variables.combined(model, strategy.is_ps_variable, strategy.num_workers, share)):
         logs = original(model, data)
     return logs_lib.over_workers(logs, model.metrics, iterations, strategy.num_workers, "kp_step_logs", share,
                                  worker_index=strategy.worker_index)
@@ -510,6 +512,8 @@ def _fit(original, model, *args, **kwargs):
     if strategy.num_workers > 1:
         per_batch = strategy.options.sync and fit_callbacks.may_stop_within_epoch(a["callbacks"])
         a["callbacks"].append(fit_callbacks.SameStop(strategy.num_workers, per_batch))
+        if strategy.options.sync:
+            a["callbacks"].insert(len(ours), fit_callbacks.SameState(strategy))
     with strategy.scope(), _errors_explained(model):
         return original(*bound.args, **bound.kwargs)
 

@@ -66,7 +66,13 @@ class Placement:
     def __init__(self, rules: Optional[Mapping[str, str]] = None, num_ps: int = 0, architecture: str = "hybrid",
                  partitions=1):
         compiled = []
+        if rules is not None and not isinstance(rules, Mapping):
+            raise ValueError(f"placement must be a dict of variable-path regex -> 'ps' | 'ps:P' | 'replicated', e.g. "
+                             f"{{'.*embedding.*': 'ps:4'}}. Received: {type(rules).__name__} {rules!r}.")
         for pattern, value in dict(rules or {}).items():
+            if not isinstance(pattern, str):
+                raise ValueError(f"A placement rule's key is a regex (a string) matched against variable paths. "
+                                 f"Received: {{{pattern!r}: {value!r}}}.")
             where, parts = _parse_rule(pattern, value)
             if where == PS and architecture == "allreduce":
                 raise ValueError(f"architecture='allreduce' replicates every variable, so placement rule "

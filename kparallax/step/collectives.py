@@ -78,6 +78,14 @@ def sum_over_workers(tensor, num_workers, name):
     return hvd.allreduce(tensor, op=hvd.Sum, name=name)
 
 
+def from_first_worker(tensor, num_workers, name):
+    """Worker 0's ``tensor`` on every worker (in a step: a Horovod broadcast of each worker's own value; an allreduce
+    of zeros from the others would have a constant input, which Grappler may fold, collective included)."""
+    if num_workers == 1:
+        return tensor
+    return hvd.broadcast(tensor, root_rank=0, name=name)
+
+
 def allgather(tensors, num_workers, name, process_set=None):
     """Grouped allgather of ``tensors`` (identity when ``num_workers``, the size of the group, is 1).
 

@@ -1444,6 +1444,46 @@ def transformer_lm(scope, batch):
     return model
 
 
+class RunningStatistics(tf.keras.layers.Layer):
+    """A layer of the user's that keeps, in training, a moving average of its input's batch mean (MEAN), a count
+    of the rows it has seen (SUM) and the first row of the last batch (ONLY_FIRST_REPLICA), with the aggregations
+    TensorFlow's distribution strategies ask of a variable assigned in a training step; and a count of its calls
+    (Keras' default aggregation, NONE: the same on every worker). The moving average feeds the output."""
+
+    def build(self, shape):
+        self.moving = self.add_weight("moving", shape[-1:], initializer="zeros", trainable=False,
+                                      aggregation=tf.VariableAggregation.MEAN)
+        self.rows = self.add_weight("rows", [], dtype=tf.int64, initializer="zeros", trainable=False,
+                                    aggregation=tf.VariableAggregation.SUM)
+        self.first = self.add_weight("first", shape[-1:], initializer="zeros", trainable=False,
+                                     aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+        self.calls = self.add_weight("calls", [], initializer="zeros", trainable=False)
+
+    def call(self, x, training=None):
+        if training:
+            self.moving.assign(0.8 * self.moving + 0.2 * tf.reduce_mean(x, axis=0))
+            self.rows.assign_add(tf.cast(tf.shape(x)[0], tf.int64))
+            self.first.assign(x[0])
+            self.calls.assign_add(1.0)
+        return x - self.moving
+
+
+def layer_running_statistics(scope, batch):
+    """RunningStatistics between a table's pooled rows and the output, on 117 rows (a partial last batch: the
+    workers' last batches differ in size, so the mean is weighted by their rows)."""
+    ids, rng = _ids(86)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    with scope():
+        model = tf.keras.Sequential([tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB),
+                                     tf.keras.layers.GlobalAveragePooling1D(), RunningStatistics(),
+                                     tf.keras.layers.Dense(1)])
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+        history = model.fit(ids[:ROWS - 11], y[:ROWS - 11], batch_size=batch, epochs=2, shuffle=False, verbose=0)
+    model.logged = [np.array([history.history[key] for key in sorted(history.history)])]
+    return model
+
+
 PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, mixed_float16_clipped,
                                     clipped_two_optimizers, ratio_metrics, custom_metric_classes, sparse_and_ragged_inputs,
                                     sequence_input, generator_input,
@@ -1457,7 +1497,7 @@ PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, mixed
                                     padded_sequences,
                                     masked_sequence_losses, own_loss_partial_batch, weighted_metrics_sample_weights,
                                     gru_conv1d_evaluate, seq2seq_gru, validation_summed_loss, learning_rate_callbacks,
-                                    stop_on_one_worker, stateful_lstm,
+                                    stop_on_one_worker, layer_running_statistics, stateful_lstm,
                                     run_eagerly_dense, two_optimizers,
                                     fine_tuning, own_compute_loss, own_embedding_layer,
                                     added_metrics, tracked_train_step, multi_output, transformer_lm,

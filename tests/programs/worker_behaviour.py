@@ -103,6 +103,33 @@ if mode == "virtual_batch":
             print(f"refused: {e}", flush=True)
         else:
             sys.exit("virtual_batch_size trained on per-worker sub-batches silently")
+if mode == "unaggregated_state":
+    # A layer's running mean of its input, assigned in the step with Keras' default aggregation (NONE): worker 0's
+    # rows have mean 3, worker 1's mean 4, so each worker's copy would move its own way.
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    class Running(tf.keras.layers.Layer):
+        def build(self, shape):
+            self.moving = self.add_weight("moving", shape[-1:], initializer="zeros", trainable=False)
+            self.calls = self.add_weight("calls", [], initializer="zeros", trainable=False)  # the same everywhere
+
+        def call(self, x, training=None):
+            if training:
+                self.moving.assign(0.5 * self.moving + 0.5 * tf.reduce_mean(x, axis=0))
+                self.calls.assign_add(1.0)
+            return x - self.moving
+
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.Input((1,)), Running(name="running"), tf.keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        try:
+            model.fit(np.arange(8, dtype=np.float32)[:, None], np.zeros((8, 1)), batch_size=2, shuffle=False,
+                      verbose=0)
+        except ValueError as e:
+            print(f"refused: {e}", flush=True)
+        else:
+            sys.exit("a running statistic assigned from each worker's rows trained silently")
 if mode in ("batch_norm_global", "batch_norm_per_worker"):
     # rows 0..7 as one feature: worker 0 keeps rows 0, 2, 4, 6 (mean 3), worker 1 rows 1, 3, 5, 7 (mean 4); with
     # momentum 0 the moving mean after one step is the mean the step normalized with.

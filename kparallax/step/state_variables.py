@@ -1,0 +1,100 @@
+"""Replicated variables a training step assigns besides the optimizer: a layer's own running statistic, a counter.
+
+One process assigns such a variable from the global batch; under kparallax each worker's step assigns its own copy
+from its own rows, so the copies drift apart and away from one process's. TensorFlow's distribution strategies
+refuse that assignment in a replica's step unless the variable says how replicas combine (``aggregation``), and
+then combine every assignment's value over the replicas before it is made. kparallax does the same while a
+synchronous training step is traced (``_compat/assign_hook.py``), for the model's replicated non-trainable
+variables whose ``synchronization`` is not ``ON_READ`` (Keras' BatchNormalization statistics are ``ON_READ``; they
+are global through ``batch_norm.py`` instead). Each ``assign`` / ``assign_add`` / ``assign_sub`` of such a variable
+then uses, as its value or delta:
+
+  * ``MEAN``: the workers' values averaged, each weighted by its share of the global batch (one process's value for
+    an assignment linear in the batch: a moving average of the batch's mean, a mean over its rows);
+  * ``SUM``: their sum (``assign_add`` of each worker's row count: the global batch's);
+  * ``ONLY_FIRST_REPLICA``: worker 0's.
+Later reads in the same step see the combined value, as in one process. ``NONE`` (Keras' default) is left as each
+worker's: ``fit`` compares all of them over the workers after its first step (``fit_callbacks.SameState``) and
+refuses any that differ, naming them and these aggregations.
+"""
+
+import contextlib
+import zlib
+
+import numpy as np
+import tensorflow as tf
+
+from kparallax._compat import assign_hook
+from kparallax.step import collectives
+
+_AGGREGATED = (tf.VariableAggregation.MEAN, tf.VariableAggregation.SUM, tf.VariableAggregation.ONLY_FIRST_REPLICA)
+
+
+def candidates(model, is_ps_variable):
+    """The replicated non-trainable variables of ``model`` that a step could assign differently on each worker."""
+    return [v for v in model.non_trainable_weights
+            if isinstance(v, tf.Variable) and not is_ps_variable(v)
+            and v.synchronization != tf.VariableSynchronization.ON_READ]
+
+
+@contextlib.contextmanager
+def combined(model, is_ps_variable, num_workers, share):
+    """While a step of ``model`` is traced: assignments of its aggregated variables are combined over the
+    ``num_workers`` workers (collectives in the step; every worker traces the same ones, in the same order).
+    ``share``: ``num_workers`` x this worker's share of the global batch, or None when the batches are equal."""
+    members = {v.ref() for v in candidates(model, is_ps_variable) if v.aggregation in _AGGREGATED}
+    if num_workers == 1 or not members:
+        yield
+        return
+    weight = tf.constant(1.0 / num_workers) if share is None else share / num_workers
+    count = [0]
+
+    def combine(variable, method, value):
+        if variable.ref() not in members:
+            return value
+        name, count[0] = f"kp_state_{count[0]}", count[0] + 1
+        value = tf.convert_to_tensor(value, dtype=variable.dtype)
+        if variable.aggregation == tf.VariableAggregation.MEAN:
+            if not variable.dtype.is_floating:
+                raise ValueError(
+                    f"Variable {variable.name!r} has aggregation=MEAN, which averages the workers' values, but holds "
+                    f"{variable.dtype.name}. Received: {method} of a {variable.dtype.name} variable with "
+                    "aggregation=MEAN. Use a float variable, or SUM for a count.")
+            return collectives.sum_over_workers(value * tf.cast(weight, value.dtype), num_workers, name)
+        if variable.aggregation == tf.VariableAggregation.SUM:
+            return collectives.sum_over_workers(value, num_workers, name)
+        return collectives.from_first_worker(value, num_workers, name)
+
+    with assign_hook.combining(combine):
+        yield
+
+
+def differing(variables, num_workers, name):
+    """``variables`` whose values differ between the workers (eager; every worker must call it): one allgather of a
+    CRC-32 of each one's bytes."""
+    local = [zlib.crc32(np.ascontiguousarray(v.numpy()).tobytes()) for v in variables]
+    rows = collectives.allgather_ints(local, name) if num_workers > 1 else [local]
+    return [v for j, v in enumerate(variables) if len({row[j] for row in rows}) > 1]
+
+
+def refuse_differing(variables):
+    """The error for replicated ``variables`` that the first training step left different on the workers."""
+    names = [v.name for v in variables]
+    plain = [v.name for v in variables if v.aggregation not in _AGGREGATED]
+    if not plain:
+        return ValueError(
+            f"Variable(s) {names} differ between the workers after the first training step although their "
+            "aggregation combines every assign / assign_add / assign_sub in the step: something else wrote them "
+            "(a scatter update, a raw op, an assignment outside the model's training step). Received: "
+            f"{len(names)} aggregated variable(s) left different. Assign them with assign, assign_add or assign_sub "
+            "in the step.")
+    return ValueError(
+        f"Variable(s) {plain} changed differently on the workers in the first training step: the step assigns them "
+        "from each worker's own rows (a layer's running statistic, say), while one process assigns them once from "
+        f"the global batch, so the copies drift apart, silently. Received: {len(plain)} replicated non-trainable "
+        "variable(s) with aggregation=NONE assigned in the step. Say how the workers' values combine, as "
+        "TensorFlow's distribution strategies require for a variable assigned in a training step: "
+        "add_weight(..., aggregation=tf.VariableAggregation.MEAN) averages every assignment's value over the "
+        "workers (weighted by their rows: one process's value for an assignment linear in the batch), SUM adds "
+        "them, ONLY_FIRST_REPLICA takes worker 0's; or create it with synchronization=ON_READ to keep one per "
+        "worker.")
