@@ -152,9 +152,12 @@ if mode == "dropout_masks":
             super().__init__()
             self.drop = tf.keras.layers.Dropout(0.5)
             self.dense = tf.keras.layers.Dense(1)
-            self.seen = tf.Variable(tf.zeros((4, 8)), trainable=False)
+            # each worker's own record of what its step drew: ON_READ, one per worker (an unaggregated variable
+            # the step assigns differently on the workers is refused after fit's first step)
+            own = {"trainable": False, "synchronization": tf.VariableSynchronization.ON_READ}
+            self.seen = tf.Variable(tf.zeros((4, 8)), **own)
             self.flip = tf.keras.layers.RandomFlip("horizontal")
-            self.flipped = tf.Variable(tf.zeros((4, 8)), trainable=False)
+            self.flipped = tf.Variable(tf.zeros((4, 8)), **own)
 
         def call(self, x, training=False):
             return self.dense(self.drop(x, training=training))
