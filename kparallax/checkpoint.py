@@ -128,9 +128,13 @@ def _write_json(path, data):
     os.replace(tmp, path)
 
 
+def _steps(directory):
+    """The steps of the ``ckpt-<step>`` directories in ``directory``, in ascending order."""
+    return sorted(int(name[5:]) for name in os.listdir(directory) if name.startswith("ckpt-") and name[5:].isdigit())
+
+
 def _prune(directory, keep):
-    steps = sorted(int(name[5:]) for name in os.listdir(directory)
-                   if name.startswith("ckpt-") and name[5:].isdigit())
+    steps = _steps(directory)
     for step in steps[:-keep] if keep > 0 else []:
         shutil.rmtree(os.path.join(directory, f"ckpt-{step}"), ignore_errors=True)
 
@@ -256,9 +260,8 @@ def _damaged(directory, reason, path, what):
     be read; it names the latest other complete checkpoint in ``directory`` to resume from."""
     pointer = os.path.join(directory, POINTER)
     reason = f"{type(reason).__name__}: {reason}" if isinstance(reason, BaseException) else reason
-    others = sorted((int(name[5:]) for name in os.listdir(directory) if name.startswith("ckpt-") and name[5:].isdigit()
-                     and os.path.join(directory, name) != path
-                     and os.path.isfile(os.path.join(directory, name, "meta.json"))), reverse=True)
+    others = [step for step in reversed(_steps(directory)) if os.path.join(directory, f"ckpt-{step}") != path
+              and os.path.isfile(os.path.join(directory, f"ckpt-{step}", "meta.json"))]
     fix = "No other checkpoint is there: train from the start in a new directory"
     if others:
         fix = (f"To resume from ckpt-{others[0]}, " + (f"move {path} away and " if path else "") +

@@ -7,4 +7,5 @@
     link_check       bursts alone on emulated links: raw TCP and TensorFlow's transport against the link rate
     cpu, op_profile  where a step's time goes: CPU by role from /proc; TF profiler traces (ops, every worker's phases)
     project_scaling  the projection to many workers, validated against measured runs
+    outputs          the scripts' output files: their directories checked before a run
 """

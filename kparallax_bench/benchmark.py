@@ -50,6 +50,7 @@ import portpicker
 from kparallax.cluster import coordinator as rendezvous
 from kparallax_bench import cpu
 from kparallax_bench import netem
+from kparallax_bench import outputs
 from kparallax_bench import traffic
 from kparallax_models import presets
 
@@ -151,11 +152,7 @@ def parse(argv=None):
         parser.error(f"with --emulate-network, PS task i runs on host i, so --ps may not exceed the smallest host "
                      f"count (workers / --workers_per_host). Received: --ps={args.ps}, --workers="
                      f"{','.join(map(str, args.workers))}, --workers_per_host={per_host}.")
-    for flag in ("json", "markdown", "png"):  # checked before the runs, not after them
-        path = getattr(args, flag)
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            parser.error(f"--{flag}: the directory of {path!r} does not exist; create it first. Received: "
-                         f"--{flag}={path}.")
+    outputs.check_dirs(parser, args, ("json", "markdown", "png"))
     return args
 
 

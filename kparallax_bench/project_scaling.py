@@ -28,6 +28,7 @@ import os
 import sys
 
 from kparallax_bench import netem
+from kparallax_bench import outputs
 from kparallax_bench import traffic
 
 
@@ -70,9 +71,7 @@ def parse(argv=None):
     if args.alpha_us < 0 or (args.compute_ms is not None and args.compute_ms <= 0):
         parser.error(f"--alpha_us must be >= 0 and --compute_ms > 0. Received: --alpha_us={args.alpha_us}, "
                      f"--compute_ms={args.compute_ms}.")
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        parser.error(f"--json: the directory of {args.json!r} does not exist; create it first. "
-                     f"Received: --json={args.json}.")
+    outputs.check_dirs(parser, args, ("json",))
     return args
 
 

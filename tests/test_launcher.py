@@ -277,7 +277,10 @@ def test_a_cluster_file_of_this_host_only_starts_it_without_ssh(tmp_path):
                       "function of its gradients (RealDiv op 'truediv'",
                       "because it involves a value of this worker's own")),
     ("unaggregated_state", ("refused: Variable(s) ['running/moving:0'] changed differently on the workers in the "
-                            "first training step", "aggregation=tf.VariableAggregation.MEAN")),
+                            "first training step", "aggregation=tf.VariableAggregation.MEAN",
+                            "refused after 0 train_on_batch call(s) (built before): Variable(s) "
+                            "['running/moving:0'] changed differently", "refused after 0 train_on_batch call(s) "
+                            "(built by its first call): Variable(s) ['running/moving:0'] changed differently")),
     ("clip_accumulated", "ValueError: The train_step transforms the gradient of 'transformed/out/kernel:0' by a "
                          "function of its gradients (L2Loss op 'global_norm/L2Loss', e.g. tf.clip_by_global_norm or "
                          "tf.clip_by_value) that kparallax cannot compute on the global batch's gradients, because it "
@@ -290,7 +293,8 @@ def test_training_outside_the_strategy_is_refused_in_a_multi_worker_job(tmp_path
     global batch's gradients (a PS table's clip next to the optimizer's clipnorm, a factor from the worker's own loss,
     any clip under gradient accumulation) would act on each worker's own. A layer's running statistic assigned in
     the step without an aggregation would move its own way on each worker (its 'calls' counter, the same on every
-    worker, is not named)."""
+    worker, is not named), in fit and in a train_on_batch loop after its
+    first call (also for a model built by that call)."""
     run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "worker_behaviour.py"), mode],
                             log_dir=str(tmp_path), workers=2, ps=1, timeout=120)
     assert run.returncode == 0, run.report()

@@ -35,6 +35,17 @@ LegacyOptimizer = tf.keras.optimizers.legacy.Optimizer
 DEFAULT_BATCH_SIZE = 32
 
 
+def weights_created(model):
+    """Whether Keras lists ``model``'s variables: Keras 2.15 raises ``ValueError: Weights for model ... have not yet
+    been created`` for a model not built yet whose class defines ``build`` (a ``Sequential`` model without an input
+    shape, before its first call), where plain Keras' ``compile`` and ``fit`` never ask."""
+    try:
+        model._assert_weights_created()  # pylint: disable=protected-access
+    except ValueError:
+        return False
+    return True
+
+
 def optimizer_family(optimizer):
     """``"new"`` for Keras 2.11+ optimizers, ``"legacy"`` for ``tf.keras.optimizers.legacy``."""
     if isinstance(optimizer, LegacyOptimizer):

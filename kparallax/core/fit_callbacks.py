@@ -9,6 +9,7 @@ import threading
 
 import tensorflow as tf
 
+from kparallax._compat import keras as keras_compat
 from kparallax._compat import tf as tf_compat
 from kparallax.step import collectives
 from kparallax.step import logs as logs_lib
@@ -20,8 +21,10 @@ class ReplicatedWeights:
     ``train_on_batch`` use it before their first step).
 
     ``sync()`` first waits for this worker's pending PS writes, then broadcasts the replicated variables not
-    broadcast yet (a collective, so it is also a barrier) and returns them. Variables that first appear during the
-    first step (a model built by its first call) are broadcast by ``sync_late()`` after that step, with a warning.
+    broadcast yet (a collective, so it is also a barrier) and returns them. A model built by its first call gets its
+    variables when the train function is first traced, before that step runs: ``sync_new()`` there broadcasts them
+    (``keras_hooks``). Variables that first appear while a step runs (an eager step) are broadcast by
+    ``sync_late()`` after it, with a warning.
     """
 
     def __init__(self, strategy, model):
@@ -30,12 +33,14 @@ class ReplicatedWeights:
         self._synced = set()
 
     def _variables(self):
+        if not keras_compat.weights_created(self._model):
+            return []
         # Keras lists non-variables too (the vocabulary handlers of lookup layers, which each worker adapts itself).
-        return [v for v in self._model.variables if isinstance(v, tf.Variable)]
+        return [v for v in self._model.variables
+                if isinstance(v, tf.Variable) and not self._strategy.is_ps_variable(v)]
 
     def sync(self):
-        variables = [v for v in self._variables()
-                     if not self._strategy.is_ps_variable(v) and v.ref() not in self._synced]
+        variables = [v for v in self._variables() if v.ref() not in self._synced]
         tf_compat.async_wait()
         if self._strategy.num_workers > 1 and variables:
             collectives.broadcast_variables(variables, name="kp_replicated_weights")
@@ -44,27 +49,32 @@ class ReplicatedWeights:
         self._synced.update(v.ref() for v in variables)
         return variables
 
+    def sync_new(self):
+        """Broadcasts the variables created since the last ``sync`` and returns them (none: no collective; the
+        model is the same on every worker, so all workers agree)."""
+        if all(v.ref() in self._synced for v in self._variables()):
+            return []
+        return self.sync()
+
     def sync_late(self):
-        if len(self._synced) >= len([v for v in self._variables() if not self._strategy.is_ps_variable(v)]):
-            return
-        late = self.sync()
+        """``sync_new`` after a step, with a warning if that step created variables."""
+        late = self.sync_new()
         if late:
             tf.get_logger().warning(
                 "%d replicated variable(s) were created during the first step and were synchronized after it. "
                 "Build the model before training (give it an input shape) for exact single-process equivalence.",
                 len(late))
+        return late
 
 
 class SyncReplicatedVariables(tf.keras.callbacks.Callback):
     """``fit``'s start: every worker starts from worker 0's replicated weights (``ReplicatedWeights``)."""
 
-    def __init__(self, strategy):
+    def __init__(self, weights):
         super().__init__()
-        self._strategy = strategy
-        self._weights = None
+        self._weights = weights
 
     def on_train_begin(self, logs=None):
-        self._weights = ReplicatedWeights(self._strategy, self.model)
         self._weights.sync()
 
     def on_train_batch_end(self, batch, logs=None):
@@ -234,10 +244,20 @@ class SameStop(tf.keras.callbacks.Callback):
         self._agree("epoch")
 
 
+def check_same_state(strategy, model):
+    """Compares the model's replicated non-trainable variables that a step could assign on each worker alone
+    (``state_variables.candidates``) over the workers (eager; every worker calls it after the same step) and raises
+    the fix if the step left any different (one small allgather; none for a model without such variables)."""
+    variables = state_variables.candidates(model, strategy.is_ps_variable)
+    if variables:
+        different = state_variables.differing(variables, strategy.num_workers, "kp_same_state")
+        if different:
+            raise state_variables.refuse_differing(different)
+
+
 class SameState(tf.keras.callbacks.Callback):
-    """After ``fit``'s first step, compares the model's replicated non-trainable variables that a step could assign
-    on each worker alone (``state_variables.candidates``) over the workers, and stops ``fit`` with the fix if the
-    step left any different (one small allgather per ``fit``; none for a model without such variables)."""
+    """After ``fit``'s first step, ``check_same_state``: stops ``fit`` with the fix if the step left a replicated
+    non-trainable variable different on the workers (``train_on_batch`` checks after its first call)."""
 
     def __init__(self, strategy):
         super().__init__()
@@ -248,8 +268,4 @@ class SameState(tf.keras.callbacks.Callback):
         if self._checked:
             return
         self._checked = True
-        variables = state_variables.candidates(self.model, self._strategy.is_ps_variable)
-        if variables:
-            different = state_variables.differing(variables, self._strategy.num_workers, "kp_same_state")
-            if different:
-                raise state_variables.refuse_differing(different)
+        check_same_state(self._strategy, self.model)

@@ -77,6 +77,12 @@ class Compiled:
     # Whether the workers' batches may differ in size (a dataset without a fixed batch dimension, train_on_batch):
     # then the traced step weights each worker's gradient by its share of the global batch.
     uneven_batches: bool = False
+    # The ``fit_callbacks.ReplicatedWeights`` of the latest ``fit`` or ``train_on_batch`` that broadcast worker 0's
+    # weights: the train function's first call broadcasts through it the variables its trace created.
+    weights: object = None
+    # Whether ``train_on_batch`` compared the replicated non-trainable variables after its first call
+    # (``fit_callbacks.check_same_state``; ``fit`` compares after each call's first step).
+    state_checked: bool = False
 
 
 def compiled(model):
@@ -283,6 +289,8 @@ def _make_train_function(original, model, force=False):
             # The function traced before a move holds the moved variables' old handles: dropped with it.
             single, placed = _placed(original, model, single, iterator), True
             model.train_function = train_function  # Keras' make_train_function, called again there, replaced it
+            if compiled(model).weights is not None:  # a model built by that trace: worker 0's values, before the step
+                compiled(model).weights.sync_new()
         outputs = None
         for _ in range(keras_compat.steps_per_execution(model)):  # Keras lowers it for an epoch's last execution
             outputs = single(iterator)
@@ -399,21 +407,26 @@ def _train_on_batch(original, model, *args, **kwargs):
 
     Before its first call, and before any call after some worker set or loaded the model's weights (one scalar
     allreduce per call tells), worker 0's replicated weights are broadcast, as ``fit`` does at its start: each
-    worker may have initialized or loaded its own. A model built by that call gets its new variables broadcast after
-    it, with ``fit``'s warning. The workers' batches may differ in size: the step weights each worker's gradient by
-    its share of the global batch (``step/global_losses.py``)."""
+    worker may have initialized or loaded its own. A model built by that call gets its new variables broadcast when its
+    step is first traced, before it runs (after it, with ``fit``'s warning, if the step runs eagerly). The workers' batches may differ in size: the step weights each worker's gradient by
+    its share of the global batch (``step/global_losses.py``). After the first call, the replicated non-trainable
+    variables the step may assign are compared over the workers, as ``fit`` does after its first step."""
     state = compiled(model)
     strategy = state.strategy
     _guard_tracking(strategy, model, model.optimizer)
     stale = collectives.any_worker(state.on_batch_sync is None, strategy.num_workers, name="kp_weights_set")
     if stale:
-        state.on_batch_sync = fit_callbacks.ReplicatedWeights(strategy, model)
+        state.on_batch_sync = state.weights = fit_callbacks.ReplicatedWeights(strategy, model)
         state.on_batch_sync.sync()
     _expect_uneven_batches(model, True)
     with strategy.scope(), _errors_explained(model):
         logs = original(model, *args, **kwargs)
-    if stale:
-        state.on_batch_sync.sync_late()
+    # Variables an eager step created were broadcast only now: the comparison waits for the next call.
+    late = state.on_batch_sync.sync_late() if stale else []
+    if not state.state_checked and not late:
+        state.state_checked = True
+        if strategy.num_workers > 1 and strategy.options.sync:
+            fit_callbacks.check_same_state(strategy, model)
     return logs
 
 
@@ -446,7 +459,7 @@ def original_method(obj, name):
 def _guard_tracking(strategy, model, optimizer):
     """A model with PS variables: checkpoints and SavedModels that reach its routing optimizer outside kparallax's
     savers are refused (``saving.refuse_direct_tracking``)."""
-    if any(strategy.is_ps_variable(v) for v in model.trainable_variables):
+    if keras_compat.weights_created(model) and any(strategy.is_ps_variable(v) for v in model.trainable_variables):
         routing = getattr(optimizer, "inner_optimizer", optimizer)
         routing.__dict__["_kp_tracking_check"] = saving.refuse_direct_tracking
 
@@ -486,7 +499,8 @@ def _fit(original, model, *args, **kwargs):
             # batch_size, which is the global batch here (a loss summed over the batch, a masked mean, depend on it).
             a["validation_batch_size"] = n * batch_size
     _expect_uneven_batches(model, uneven)
-    ours = [fit_callbacks.SyncReplicatedVariables(strategy), fit_callbacks.AverageMetrics(strategy)]
+    compiled(model).weights = fit_callbacks.ReplicatedWeights(strategy, model)
+    ours = [fit_callbacks.SyncReplicatedVariables(compiled(model).weights), fit_callbacks.AverageMetrics(strategy)]
     if strategy.partitioned_tables and not strategy.partition_search["done"]:
         ours.insert(1, partition_search.PartitionSearch(strategy))
     log_dir = os.environ.get("KPARALLAX_LOG_DIR")

@@ -14,8 +14,9 @@ then uses, as its value or delta:
   * ``SUM``: their sum (``assign_add`` of each worker's row count: the global batch's);
   * ``ONLY_FIRST_REPLICA``: worker 0's.
 Later reads in the same step see the combined value, as in one process. ``NONE`` (Keras' default) is left as each
-worker's: ``fit`` compares all of them over the workers after its first step (``fit_callbacks.SameState``) and
-refuses any that differ, naming them and these aggregations.
+worker's: ``fit`` compares all of them over the workers after its first step (``fit_callbacks.SameState``;
+``train_on_batch`` after its first call) and refuses any that differ, naming them and these aggregations. A model
+built by its first call creates its variables while its step is traced: they are looked for at each assignment.
 """
 
 import contextlib
@@ -25,13 +26,17 @@ import numpy as np
 import tensorflow as tf
 
 from kparallax._compat import assign_hook
+from kparallax._compat import keras as keras_compat
 from kparallax.step import collectives
 
 _AGGREGATED = (tf.VariableAggregation.MEAN, tf.VariableAggregation.SUM, tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
 
 def candidates(model, is_ps_variable):
-    """The replicated non-trainable variables of ``model`` that a step could assign differently on each worker."""
+    """The replicated non-trainable variables of ``model`` that a step could assign differently on each worker
+    (none before a model not built yet has its variables)."""
+    if not keras_compat.weights_created(model):
+        return []
     return [v for v in model.non_trainable_weights
             if isinstance(v, tf.Variable) and not is_ps_variable(v)
             and v.synchronization != tf.VariableSynchronization.ON_READ]
@@ -42,14 +47,20 @@ def combined(model, is_ps_variable, num_workers, share):
     """While a step of ``model`` is traced: assignments of its aggregated variables are combined over the
     ``num_workers`` workers (collectives in the step; every worker traces the same ones, in the same order).
     ``share``: ``num_workers`` x this worker's share of the global batch, or None when the batches are equal."""
-    members = {v.ref() for v in candidates(model, is_ps_variable) if v.aggregation in _AGGREGATED}
-    if num_workers == 1 or not members:
+    def aggregated():
+        return {v.ref() for v in candidates(model, is_ps_variable) if v.aggregation in _AGGREGATED}
+
+    members = aggregated()
+    # A model not built yet builds in this trace: its variables are looked for at each assignment.
+    if num_workers == 1 or (not members and keras_compat.weights_created(model)):
         yield
         return
     weight = tf.constant(1.0 / num_workers) if share is None else share / num_workers
     count = [0]
 
     def combine(variable, method, value):
+        if variable.ref() not in members:
+            members.update(aggregated())
         if variable.ref() not in members:
             return value
         name, count[0] = f"kp_state_{count[0]}", count[0] + 1

@@ -1484,6 +1484,45 @@ def layer_running_statistics(scope, batch):
     return model
 
 
+class _BuiltByItsFirstCall(tf.keras.Model):
+    """A subclassed model without ``build``: an embedding table, a Dense layer on the features, RunningStatistics
+    on their concatenation, a Dense output; Keras creates its variables in its first call."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = tf.keras.layers.Embedding(VOCAB, EMB)
+        self.hidden = tf.keras.layers.Dense(4, activation="tanh")
+        self.statistics = RunningStatistics()
+        self.out = tf.keras.layers.Dense(1)
+
+    def call(self, inputs, training=None):
+        ids, features = inputs
+        pooled = tf.reduce_mean(self.table(ids), axis=1)
+        return self.out(self.statistics(tf.concat([pooled, self.hidden(features)], 1), training=training))
+
+
+def built_by_first_step(scope, batch):
+    """Models whose variables Keras creates in fit's first step, from its own random initialization seeded
+    differently on each worker (worker 0's seed is the one process's): a Sequential model without an input shape
+    (compile refused it before: Keras' 'Weights for model ... have not yet been created') and the subclassed
+    _BuiltByItsFirstCall, whose table moves onto the PS and whose RunningStatistics' aggregated variables appear
+    only while its step is traced. Worker 0's initial values must reach every worker before the first step runs.
+    The Sequential model's weights are returned as logs."""
+    ids, rng = _ids(17)
+    features = rng.normal(size=(ROWS, 3)).astype(np.float32)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    tf.keras.utils.set_random_seed(50 + RANK)
+    with scope():
+        plain = tf.keras.Sequential([tf.keras.layers.Dense(4, activation="tanh"), tf.keras.layers.Dense(1)])
+        plain.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss="mse")
+        plain.fit(features, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+        model = _BuiltByItsFirstCall()
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="mse")
+        model.fit((ids, features), y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+    model.logged = plain.get_weights()
+    return model
+
+
 PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, mixed_float16_clipped,
                                     clipped_two_optimizers, ratio_metrics, custom_metric_classes, sparse_and_ragged_inputs,
                                     sequence_input, generator_input,
@@ -1501,4 +1540,4 @@ PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, mixed
                                     run_eagerly_dense, two_optimizers,
                                     fine_tuning, own_compute_loss, own_embedding_layer,
                                     added_metrics, tracked_train_step, multi_output, transformer_lm,
-                                    train_on_batch_loop)}  # last: it seeds Keras' random generator
+                                    built_by_first_step, train_on_batch_loop)}  # last two: they seed Keras' RNG

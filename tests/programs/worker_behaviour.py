@@ -130,6 +130,21 @@ if mode == "unaggregated_state":
             print(f"refused: {e}", flush=True)
         else:
             sys.exit("a running statistic assigned from each worker's rows trained silently")
+        # train_on_batch loops of new models, one built before, one built by its first call (its variables
+        # broadcast when that call's step is traced): both refused after their first call
+        for built, how in (([tf.keras.Input((1,))], "built before"), ([], "built by its first call")):
+            model = tf.keras.Sequential(built + [Running(name="running"), tf.keras.layers.Dense(1)])
+            model.compile(optimizer="sgd", loss="mse")
+            rows = np.arange(8, dtype=np.float32)[:, None][strategy.worker_index::2]
+            calls = 0
+            try:
+                for _ in range(3):
+                    model.train_on_batch(rows, np.zeros((4, 1)))
+                    calls += 1
+            except ValueError as e:
+                print(f"refused after {calls} train_on_batch call(s) ({how}): {e}", flush=True)
+            else:
+                sys.exit("a running statistic assigned from each worker's rows trained silently in train_on_batch")
 if mode in ("batch_norm_global", "batch_norm_per_worker"):
     # rows 0..7 as one feature: worker 0 keeps rows 0, 2, 4, 6 (mean 3), worker 1 rows 1, 3, 5, 7 (mean 4); with
     # momentum 0 the moving mean after one step is the mean the step normalized with.
