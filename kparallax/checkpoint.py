@@ -12,7 +12,8 @@ replicated weights and optimizer state; worker 0 alone writes the PS tables and 
 ensures nobody trains before the PS holds the restored values. Because tables and slots are stored whole, a run
 may resume with a different number of PS tasks or partitions. With ``continue_fit=True``, the next ``fit`` of the
 restored model starts at the checkpoint's epoch and step within it, with each worker's metric averages as they were
-(``core/resume.py``).
+(``core/resume.py``). A checkpoint that cannot be read (damaged, or written for another model) is refused before
+anything of the model is set.
 """
 
 import json
@@ -175,44 +176,58 @@ def restore(strategy, model, path, continue_fit=False):
     if meta["num_weights"] != len(groups):
         raise ValueError(f"Checkpoint {path} holds {meta['num_weights']} weights but the model has {len(groups)}: "
                          f"it was written for another model. Received: {path}.")
+    # Everything that can refuse the checkpoint is checked before anything is set: the optimizer's variable count,
+    # the PS tables' names, and every array this worker sets (read once, so its CRC-32 is checked, and the weights'
+    # shapes); an error leaves the model as it was.
+    weights = [(f"weight_{i}", variables) for i, variables in enumerate(groups)
+               if strategy.is_chief or not all(strategy.is_ps_variable(v) for v in variables)]
+    optimizer_state = []
+    if meta["dense_optimizer_variables"]:
+        keras_compat.build_optimizer(model.optimizer, _dense_variables(strategy, model))
+        optimizer_state = keras_compat.optimizer_variables(model.optimizer)
+        if len(optimizer_state) != meta["dense_optimizer_variables"]:
+            raise ValueError(f"Checkpoint {path} holds {meta['dense_optimizer_variables']} optimizer variables, "
+                             f"the optimizer has {len(optimizer_state)}: another optimizer? Received: {path}.")
+    ps_state = []
+    if strategy.is_chief:
+        ps_groups = dict(_ps_groups(strategy, model))
+        for t, table in enumerate(meta["tables"]):
+            if table["path"] not in ps_groups:
+                raise ValueError(f"Checkpoint {path} has optimizer state for PS table {table['path']!r}, which "
+                                 f"this model does not have. Received: {path}.")
+            ps_state.append((ps_groups[table["path"]], [f"table_optimizer_{t}_{j}" for j in range(table["variables"])]))
+    resumes = continue_fit and "metrics" in meta
     with _State(path) as data:
-        for i, variables in enumerate(groups):
-            if not strategy.is_chief and all(strategy.is_ps_variable(v) for v in variables):
-                continue  # worker 0 writes the shared PS copy
-            value = data[f"weight_{i}"]
-            whole = (sum(int(v.shape[0]) for v in variables),) + tuple(variables[0].shape[1:]) \
-                if len(variables) > 1 else tuple(variables[0].shape)
-            if tuple(np.shape(value)) != whole:
-                raise ValueError(f"Checkpoint {path}: {variables[0].name} has shape {np.shape(value)} there but "
-                                 f"{whole} in the model (another vocabulary or model size?). Received: {path}.")
+        for key, variables in weights:
+            _whole_shape(path, data[key], variables)
+        data.check([f"dense_optimizer_{j}" for j in range(len(optimizer_state))] +
+                   [key for _, keys in ps_state for key in keys] + (["metric_states"] if resumes else []))
+        for key, variables in weights:
+            value = data[key]
             parts = striped.stripe(value, len(variables)) if len(variables) > 1 else [value]
             for variable, part in zip(variables, parts):
                 variable.assign(part)
-        if meta["dense_optimizer_variables"]:
-            keras_compat.build_optimizer(model.optimizer, _dense_variables(strategy, model))
-            state = keras_compat.optimizer_variables(model.optimizer)
-            if len(state) != meta["dense_optimizer_variables"]:
-                raise ValueError(f"Checkpoint {path} holds {meta['dense_optimizer_variables']} optimizer variables, "
-                                 f"the optimizer has {len(state)}: another optimizer? Received: {path}.")
-            for j, variable in enumerate(state):
-                variable.assign(data[f"dense_optimizer_{j}"])
-        if strategy.is_chief:
-            ps_groups = dict(_ps_groups(strategy, model))
-            for t, table in enumerate(meta["tables"]):
-                if table["path"] not in ps_groups:
-                    raise ValueError(f"Checkpoint {path} has optimizer state for PS table {table['path']!r}, which "
-                                     f"this model does not have. Received: {path}.")
-                clones.set_state(ps_groups[table["path"]],
-                                 [data[f"table_optimizer_{t}_{j}"] for j in range(table["variables"])])
+        for j, variable in enumerate(optimizer_state):
+            variable.assign(data[f"dense_optimizer_{j}"])
+        for shards, keys in ps_state:
+            clones.set_state(shards, [data[key] for key in keys])
         if continue_fit:
             keras_hooks.compiled(model).resume = resume.pending_from_checkpoint(
-                strategy, meta["step"], meta.get("metrics"), data["metric_states"] if "metrics" in meta else None)
+                strategy, meta["step"], meta.get("metrics"), data["metric_states"] if resumes else None)
     tf_compat.async_wait()
     collectives.eager_barrier(strategy.num_workers, name="kp_restored")
     logging.info("checkpoint: restored step %d from %s", meta["step"], path)
     tf.keras.backend.set_value(model.optimizer.iterations, meta["step"])
     return meta
 
+
+def _whole_shape(path, value, variables):
+    """Refuses an array of checkpoint ``path`` whose shape is not the whole of ``variables`` (a table's stripes)."""
+    whole = (sum(int(v.shape[0]) for v in variables),) + tuple(variables[0].shape[1:]) \
+        if len(variables) > 1 else tuple(variables[0].shape)
+    if tuple(np.shape(value)) != whole:
+        raise ValueError(f"Checkpoint {path}: {variables[0].name} has shape {np.shape(value)} there but "
+                         f"{whole} in the model (another vocabulary or model size?). Received: {path}.")
 
 
 def _read_json(file, path=None):
@@ -247,6 +262,11 @@ class _State:
 
     def __exit__(self, *exc):
         self._data.close()
+
+    def check(self, keys):
+        """Reads each of ``keys`` once (which checks its CRC-32), keeping none."""
+        for key in keys:
+            self[key]  # pylint: disable=pointless-statement
 
     def __getitem__(self, key):
         try:

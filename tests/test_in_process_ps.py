@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import threading
+import zipfile
 
 import numpy as np
 import portpicker
@@ -234,7 +235,7 @@ def test_fit_after_restore_continues_the_epoch_its_step_and_its_metric_averages(
 def test_a_damaged_checkpoint_is_named_with_the_one_to_resume_from(strategy, tmp_path):
     """Checkpoints are written atomically, but a disk or a hand can still damage one: each damage is one ValueError
     naming the file and the latest other checkpoint (before: BadZipFile, KeyError or JSONDecodeError tracebacks),
-    and following the fix resumes from it."""
+    raised before anything of the model is set, and following the fix resumes from it."""
     x, y = _data()
     with strategy.scope():
         model = _model("fast_damaged")
@@ -248,14 +249,24 @@ def test_a_damaged_checkpoint_is_named_with_the_one_to_resume_from(strategy, tmp
                rf'"step": {steps[-2]}\}} into {tmp_path}/checkpoint.json\. Received: {newest}\.')
         state = tmp_path / f"ckpt-{steps[-1]}" / "state.npz"
         whole = state.read_bytes()
+        last = f"weight_{len(model.get_weights()) - 1}"  # read after every other weight
+        with zipfile.ZipFile(state) as archive:
+            member = archive.getinfo(f"{last}.npy")
+        end = member.header_offset + 30 + len(member.filename) + len(member.extra) + member.compress_size
         damages = {"truncated": (whole[:len(whole) // 2], r"its state.npz cannot be read \(BadZipFile: File is not a "
                                                           r"zip file\)"),
-                   "overwritten": (whole[:len(whole) // 2] + b"\xff" * 64 + whole[len(whole) // 2 + 64:],
-                                   r"its state.npz \(\w+\) cannot be read \(BadZipFile: Bad CRC-32")}
+                   "overwritten": (whole[:end - 8] + b"\xff" * 8 + whole[end:],
+                                   rf"its state.npz \({last}\) cannot be read \(BadZipFile: Bad CRC-32")}
+        # The model holds the checkpoint before: a damaged one's error leaves it so (before: the weights read before
+        # the damaged array were set).
+        kp.checkpoint.restore(strategy, model, str(tmp_path / f"ckpt-{steps[-2]}"))
+        held = [v.numpy() for v in model.variables + model.optimizer.variables]
         for name, (damaged, reason) in damages.items():
             state.write_bytes(damaged)
             with pytest.raises(ValueError, match=rf"Checkpoint {newest} is damaged: {reason}.*{fix}"):
                 kp.checkpoint.restore(strategy, model, newest)
+            for value, variable in zip(held, model.variables + model.optimizer.variables):
+                np.testing.assert_array_equal(variable.numpy(), value, err_msg=f"{name}: {variable.name}")
         state.write_bytes(whole)
         meta = tmp_path / f"ckpt-{steps[-1]}" / "meta.json"
         meta.write_text('{"step": ')

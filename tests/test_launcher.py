@@ -355,6 +355,21 @@ def test_a_script_training_several_models_starts_each_from_worker_0s_weights_qui
 
 
 @pytest.mark.multiprocess
+def test_models_built_by_their_first_call_compile_train_and_show_their_placement(tmp_path):
+    """A Sequential model without an input shape compiles inside and outside the scope (before: Keras' 'Weights for
+    model ... have not yet been created' at compile, a regression of 2026-11-25), and worker 0's terminal shows
+    where a model's variables live once its first step has built it, with the table on the PS (a model announced
+    at fit's start had none yet)."""
+    run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "worker_behaviour.py"), "built_by_first_call"],
+                            log_dir=str(tmp_path), workers=2, ps=1, timeout=120, quiet=False)
+    assert run.returncode == 0, run.report()
+    assert "outside the scope: loss " in run.output, run.report()
+    shown = re.findall(r"kparallax: 2 worker\(s\), 1 PS task\(s\), architecture hybrid; on PS: (.*); (\d+) replicated "
+                       r"variable\(s\)", run.output)
+    assert shown == [("nothing", "4"), ("pooled/table/embeddings -> ps[0] (640 B)", "2")], run.report()
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["skew_steps", "skew_steps_async"])
 def test_workers_whose_optimizers_are_at_different_steps_stop_with_an_error(tmp_path, mode):
     """Synchronous training checks in every step; asynchronous training (no per-step collective of logs) at the

@@ -230,7 +230,8 @@ def _compile(model, *args, **kwargs):
     original = _ORIGINAL_COMPILE[0]
     strategy = current_strategy()
     if strategy is None:
-        owners = [s for s in list(_STRATEGIES) if any(s.is_ps_variable(v) for v in model.weights)]
+        owners = [s for s in list(_STRATEGIES)
+                  if keras_compat.weights_created(model) and any(s.is_ps_variable(v) for v in model.weights)]
         if owners:
             raise ValueError(
                 f"Model {model.name!r} holds variables on PS tasks (created inside HybridStrategy.scope()) but is "
@@ -294,6 +295,8 @@ def _make_train_function(original, model, force=False):
         outputs = None
         for _ in range(keras_compat.steps_per_execution(model)):  # Keras lowers it for an epoch's last execution
             outputs = single(iterator)
+        if model.__dict__.get("_kparallax_announce_pending"):  # a model built by its first step
+            _announce(compiled(model).strategy, model)
         return outputs
 
     model.train_function = train_function
@@ -547,9 +550,14 @@ def _without_file_writers(callbacks):
 
 
 def _announce(strategy, model):
-    """Prints, once per model on worker 0, where its variables live (tables -> PS tasks, sizes)."""
+    """Prints, once per model on worker 0, where its variables live (tables -> PS tasks, sizes); for a model not
+    built yet, after its first step (``_make_train_function``), which creates them."""
     if model.__dict__.get("_kparallax_announced"):
         return
+    if not model.built:
+        model.__dict__["_kparallax_announce_pending"] = True
+        return
+    model.__dict__.pop("_kparallax_announce_pending", None)
     model.__dict__["_kparallax_announced"] = True
     on_ps = {}
     for variable in model.trainable_variables:

@@ -3,7 +3,7 @@
 Usage: worker_behaviour.py MODE (fail_rank1 | same_index | ok | compile_outside | custom_loop | skew_steps |
                                skew_steps_async | virtual_batch | batch_norm_global | batch_norm_per_worker |
                                dropout_masks | several_models | clip_refused | clip_accumulated | shuffle_seeds |
-                               bad_id_rank1 | made_before)
+                               bad_id_rank1 | made_before | built_by_first_call | unaggregated_state)
 """
 
 import os
@@ -220,6 +220,30 @@ if mode == "several_models":
             model.compile(optimizer="sgd", loss="mse")
         model.fit(np.ones((8, 3), np.float32), np.ones((8, 1), np.float32), batch_size=4, epochs=1, verbose=0)
         print(f"model {width} weights sum {sum(float(np.sum(w)) for w in model.get_weights()):.6f}", flush=True)
+if mode == "built_by_first_call":
+    # models without an input shape, as Keras' guides write them: one compiled outside the scope (evaluated only),
+    # a Sequential one and a subclassed one with a table, trained with Keras' default verbose=1
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    class Pooled(tf.keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.table = tf.keras.layers.Embedding(40, 4, name="table")
+            self.out = tf.keras.layers.Dense(1, name="out")
+
+        def call(self, ids):
+            return self.out(tf.reduce_mean(self.table(ids), axis=1))
+
+    outside = tf.keras.Sequential([tf.keras.layers.Dense(1)])
+    outside.compile(optimizer="sgd", loss="mse")
+    print(f"outside the scope: loss {outside.evaluate(np.ones((4, 3)), np.ones((4, 1)), verbose=0):.4f}", flush=True)
+    with strategy.scope():
+        for model, x in ((tf.keras.Sequential([tf.keras.layers.Dense(2), tf.keras.layers.Dense(1)]),
+                          np.ones((8, 3), np.float32)),
+                         (Pooled(), np.arange(16, dtype=np.int32).reshape(8, 2))):
+            model.compile(optimizer="sgd", loss="mse")
+            model.fit(x, np.ones((8, 1), np.float32), batch_size=2, epochs=1)
 if mode in ("clip_refused", "clip_accumulated"):
     # custom train_steps transforming their gradients in ways kparallax cannot make one process's: clipping a PS
     # table's gradient by a global norm next to the optimizer's clipnorm, scaling by the worker's own loss, clipping
