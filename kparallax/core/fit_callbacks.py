@@ -3,6 +3,7 @@
 watches; then the check that the first step left the model's replicated non-trainable variables equal on every
 worker (``SameState``); after the user's callbacks, the agreement on stopping (``SameStop``)."""
 
+import contextlib
 import inspect
 import os
 import threading
@@ -23,8 +24,9 @@ class ReplicatedWeights:
     ``sync()`` first waits for this worker's pending PS writes, then broadcasts the replicated variables not
     broadcast yet (a collective, so it is also a barrier) and returns them. A model built by its first call gets its
     variables when the train function is first traced, before that step runs: ``sync_new()`` there broadcasts them
-    (``keras_hooks``). Variables that first appear while a step runs (an eager step) are broadcast by
-    ``sync_late()`` after it, with a warning.
+    (``keras_hooks``). A step that runs eagerly creates them while it runs: inside ``broadcast_created()`` each one
+    takes worker 0's value as it is created, before the step reads it. Any other variable that first appears during
+    a step is broadcast by ``sync_late()`` after it, with a warning.
     """
 
     def __init__(self, strategy, model):
@@ -55,6 +57,22 @@ class ReplicatedWeights:
         if all(v.ref() in self._synced for v in self._variables()):
             return []
         return self.sync()
+
+    @contextlib.contextmanager
+    def broadcast_created(self):
+        """Inside (a train function's first eager call): each replicated variable created eagerly is set to worker
+        0's value as it is created, one broadcast per variable (every worker creates the same ones in the same
+        order)."""
+        def creator(next_creator, **kwargs):
+            variable = next_creator(**kwargs)
+            if (self._strategy.num_workers > 1 and tf.executing_eagerly() and isinstance(variable, tf.Variable)
+                    and not self._strategy.is_ps_variable(variable)):
+                collectives.broadcast_variables([variable], name=f"kp_created_{len(self._synced)}")
+                self._synced.add(variable.ref())
+            return variable
+
+        with tf.variable_creator_scope(creator):
+            yield
 
     def sync_late(self):
         """``sync_new`` after a step, with a warning if that step created variables."""

@@ -71,9 +71,9 @@ class Compiled:
     step: object
     clones: object
     resume: object = None  # a ``resume.Pending`` left by ``kparallax.checkpoint.restore`` for the next ``fit``
-    # ``train_on_batch``'s ``fit_callbacks.ReplicatedWeights``: None before its first call and after this worker set
-    # or loaded the model's weights (then worker 0's replicated weights are broadcast again).
-    on_batch_sync: object = None
+    # Whether ``train_on_batch`` broadcast worker 0's replicated weights (through ``weights``): False before its first
+    # call and after this worker set or loaded the model's weights (then they are broadcast again).
+    on_batch_synced: bool = False
     # Whether the workers' batches may differ in size (a dataset without a fixed batch dimension, train_on_batch):
     # then the traced step weights each worker's gradient by its share of the global batch.
     uneven_batches: bool = False
@@ -286,15 +286,20 @@ def _make_train_function(original, model, force=False):
 
     def train_function(iterator):
         nonlocal single, placed
+        creating = contextlib.nullcontext()
         if not placed:
             # The function traced before a move holds the moved variables' old handles: dropped with it.
             single, placed = _placed(original, model, single, iterator), True
             model.train_function = train_function  # Keras' make_train_function, called again there, replaced it
-            if compiled(model).weights is not None:  # a model built by that trace: worker 0's values, before the step
-                compiled(model).weights.sync_new()
+            weights = compiled(model).weights
+            if weights is not None:  # a model built by that trace: worker 0's values, before the step
+                weights.sync_new()
+                if _runs_eagerly(single):  # no trace: the step builds the model as it runs
+                    creating = weights.broadcast_created()
         outputs = None
-        for _ in range(keras_compat.steps_per_execution(model)):  # Keras lowers it for an epoch's last execution
-            outputs = single(iterator)
+        with creating:
+            for _ in range(keras_compat.steps_per_execution(model)):  # Keras lowers it for an epoch's last execution
+                outputs = single(iterator)
         if model.__dict__.get("_kparallax_announce_pending"):  # a model built by its first step
             _announce(compiled(model).strategy, model)
         return outputs
@@ -303,14 +308,19 @@ def _make_train_function(original, model, force=False):
     return train_function
 
 
+def _runs_eagerly(single):
+    """Whether the one-step train function ``single`` runs eagerly (``run_eagerly=True``: a plain Python function;
+    ``tf.config.run_functions_eagerly(True)``)."""
+    return not hasattr(single, "get_concrete_function") or tf.config.functions_run_eagerly()
+
+
 def _placed(original, model, single, iterator):
     """Before the first step of ``single`` (a traced one-step train function): traces it without running it. If
     that trace found replicated variables with sparse gradients (``train_step.route``: under ``hybrid`` they belong
     on PS tasks, as Embedding tables do), moves them there (``HybridStrategy.move_to_ps``) and returns a train
     function traced anew; else ``single``, whose trace the first step reuses. No batch is consumed."""
     state = compiled(model)
-    if (not hasattr(single, "get_concrete_function") or tf.config.functions_run_eagerly()
-            or state.step.moves_sparse is None):
+    if _runs_eagerly(single) or state.step.moves_sparse is None:
         return single  # run_eagerly: an eager step cannot use PS variables
     state.step.probing, state.step.decided = True, False
     try:
@@ -410,22 +420,23 @@ def _train_on_batch(original, model, *args, **kwargs):
 
     Before its first call, and before any call after some worker set or loaded the model's weights (one scalar
     allreduce per call tells), worker 0's replicated weights are broadcast, as ``fit`` does at its start: each
-    worker may have initialized or loaded its own. A model built by that call gets its new variables broadcast when its
-    step is first traced, before it runs (after it, with ``fit``'s warning, if the step runs eagerly). The workers' batches may differ in size: the step weights each worker's gradient by
-    its share of the global batch (``step/global_losses.py``). After the first call, the replicated non-trainable
-    variables the step may assign are compared over the workers, as ``fit`` does after its first step."""
+    worker may have initialized or loaded its own. A model built by that call gets its new variables broadcast when
+    its step is first traced, before it runs (as each is created, if the step runs eagerly). The workers' batches
+    may differ in size: the step weights each worker's gradient by its share of the global batch
+    (``step/global_losses.py``). After the first call, the replicated non-trainable variables the step may assign
+    are compared over the workers, as ``fit`` does after its first step."""
     state = compiled(model)
     strategy = state.strategy
     _guard_tracking(strategy, model, model.optimizer)
-    stale = collectives.any_worker(state.on_batch_sync is None, strategy.num_workers, name="kp_weights_set")
+    stale = collectives.any_worker(not state.on_batch_synced, strategy.num_workers, name="kp_weights_set")
     if stale:
-        state.on_batch_sync = state.weights = fit_callbacks.ReplicatedWeights(strategy, model)
-        state.on_batch_sync.sync()
+        state.weights, state.on_batch_synced = fit_callbacks.ReplicatedWeights(strategy, model), True
+        state.weights.sync()
     _expect_uneven_batches(model, True)
     with strategy.scope(), _errors_explained(model):
         logs = original(model, *args, **kwargs)
     # Variables an eager step created were broadcast only now: the comparison waits for the next call.
-    late = state.on_batch_sync.sync_late() if stale else []
+    late = state.weights.sync_late() if stale else []
     if not state.state_checked and not late:
         state.state_checked = True
         if strategy.num_workers > 1 and strategy.options.sync:
@@ -451,7 +462,7 @@ def _weights_set(model):
     """The model's weights were set or loaded on this worker: ``train_on_batch`` broadcasts worker 0's again."""
     state = compiled(model)
     if state is not None:
-        state.on_batch_sync = None
+        state.on_batch_synced = False
 
 
 def original_method(obj, name):

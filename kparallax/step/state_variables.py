@@ -16,7 +16,8 @@ then uses, as its value or delta:
 Later reads in the same step see the combined value, as in one process. ``NONE`` (Keras' default) is left as each
 worker's: ``fit`` compares all of them over the workers after its first step (``fit_callbacks.SameState``;
 ``train_on_batch`` after its first call) and refuses any that differ, naming them and these aggregations. A model
-built by its first call creates its variables while its step is traced: they are looked for at each assignment.
+built by its first call creates its variables while its step is traced: they are looked for at the first
+assignment of each variable.
 """
 
 import contextlib
@@ -57,10 +58,13 @@ def combined(model, is_ps_variable, num_workers, share):
         return
     weight = tf.constant(1.0 / num_workers) if share is None else share / num_workers
     count = [0]
+    others = set()  # variables found not to be members (an optimizer's slots, say): not looked for again
 
     def combine(variable, method, value):
-        if variable.ref() not in members:
+        if variable.ref() not in members and variable.ref() not in others:
             members.update(aggregated())
+            if variable.ref() not in members:
+                others.add(variable.ref())
         if variable.ref() not in members:
             return value
         name, count[0] = f"kp_state_{count[0]}", count[0] + 1

@@ -1506,8 +1506,9 @@ def built_by_first_step(scope, batch):
     differently on each worker (worker 0's seed is the one process's): a Sequential model without an input shape
     (compile refused it before: Keras' 'Weights for model ... have not yet been created') and the subclassed
     _BuiltByItsFirstCall, whose table moves onto the PS and whose RunningStatistics' aggregated variables appear
-    only while its step is traced. Worker 0's initial values must reach every worker before the first step runs.
-    The Sequential model's weights are returned as logs."""
+    only while its step is traced; then a Sequential model without an input shape trained with run_eagerly=True by
+    fit and by train_on_batch (no trace: the step creates the variables as it runs). Worker 0's initial values must
+    reach every worker before the first step runs. The Sequential models' weights are returned as logs."""
     ids, rng = _ids(17)
     features = rng.normal(size=(ROWS, 3)).astype(np.float32)
     y = rng.normal(size=(ROWS, 1)).astype(np.float32)
@@ -1519,7 +1520,16 @@ def built_by_first_step(scope, batch):
         model = _BuiltByItsFirstCall()
         model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="mse")
         model.fit((ids, features), y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
-    model.logged = plain.get_weights()
+        eager = tf.keras.Sequential([tf.keras.layers.Dense(4, activation="tanh"), tf.keras.layers.Dense(1)])
+        eager.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss="mse", run_eagerly=True)
+        eager.fit(features, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+        looped = tf.keras.Sequential([tf.keras.layers.Dense(4, activation="tanh"), tf.keras.layers.Dense(1)])
+        looped.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss="mse", run_eagerly=True)
+    step_rows = batch * RUN_WORKERS
+    for step in range(2):  # each worker its own part of each global batch
+        rows = slice(step * step_rows + RANK * batch, step * step_rows + (RANK + 1) * batch)
+        looped.train_on_batch(features[rows], y[rows])
+    model.logged = plain.get_weights() + eager.get_weights() + looped.get_weights()
     return model
 
 
