@@ -49,7 +49,7 @@ def _base_class():
 
 def is_batch_norm(layer):
     """Whether ``layer`` is a Keras BatchNormalization (any of its classes: v1, v2, SyncBatchNormalization)."""
-    return bool(_HOOKED) and isinstance(layer, _HOOKED[0])
+    return isinstance(layer, _base_class())
 
 
 def hook(statistics):

@@ -5,16 +5,18 @@ from its own rows, so the copies drift apart and away from one process's. Tensor
 refuse that assignment in a replica's step unless the variable says how replicas combine (``aggregation``), and
 then combine every assignment's value over the replicas before it is made. kparallax does the same while a
 synchronous training step is traced (``_compat/assign_hook.py``), for the model's replicated non-trainable
-variables whose ``synchronization`` is not ``ON_READ`` (Keras' BatchNormalization statistics are ``ON_READ``; they
-are global through ``batch_norm.py`` instead). Each ``assign`` / ``assign_add`` / ``assign_sub`` of such a variable
-then uses, as its value or delta:
+variables. An ``ON_READ`` variable with one of the aggregations below is combined too (TensorFlow's strategies keep
+one per replica and combine them when it is read; combining each assignment gives every worker that value, the one
+process's for an assignment linear in the batch); one with ``NONE`` stays each worker's own. Keras'
+BatchNormalization statistics (global through ``batch_norm.py``) and metrics' states (combined when logged) are not
+concerned. Each ``assign`` / ``assign_add`` / ``assign_sub`` of such a variable then uses, as its value or delta:
 
   * ``MEAN``: the workers' values averaged, each weighted by its share of the global batch (one process's value for
     an assignment linear in the batch: a moving average of the batch's mean, a mean over its rows);
   * ``SUM``: their sum (``assign_add`` of each worker's row count: the global batch's);
   * ``ONLY_FIRST_REPLICA``: worker 0's.
-Later reads in the same step see the combined value, as in one process. ``NONE`` (Keras' default) is left as each
-worker's: ``fit`` compares all of them over the workers after its first step (``fit_callbacks.SameState``;
+Later reads in the same step see the combined value, as in one process. ``NONE`` (Keras' default), not ``ON_READ``,
+is left as each worker's: ``fit`` compares all of them over the workers after its first step (``fit_callbacks.SameState``;
 ``train_on_batch`` after its first call) and refuses any that differ, naming them and these aggregations. A model
 built by its first call creates its variables while its step is traced: they are looked for at the first
 assignment of each variable.
@@ -27,6 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from kparallax._compat import assign_hook
+from kparallax._compat import batch_norm as bn_compat
 from kparallax._compat import keras as keras_compat
 from kparallax.step import collectives
 
@@ -35,12 +38,19 @@ _AGGREGATED = (tf.VariableAggregation.MEAN, tf.VariableAggregation.SUM, tf.Varia
 
 def candidates(model, is_ps_variable):
     """The replicated non-trainable variables of ``model`` that a step could assign differently on each worker
-    (none before a model not built yet has its variables)."""
+    (none before a model not built yet has its variables): all but ``ON_READ`` ones, and ``ON_READ`` ones with an
+    aggregation other than ``NONE``, except the states of metrics and of BatchNormalization layers."""
     if not keras_compat.weights_created(model):
         return []
-    return [v for v in model.non_trainable_weights
-            if isinstance(v, tf.Variable) and not is_ps_variable(v)
-            and v.synchronization != tf.VariableSynchronization.ON_READ]
+    variables = [v for v in model.non_trainable_weights if isinstance(v, tf.Variable) and not is_ps_variable(v)]
+    on_read = [v for v in variables if v.synchronization == tf.VariableSynchronization.ON_READ]
+    kept = set()
+    if any(v.aggregation in _AGGREGATED for v in on_read):
+        kept = {v.ref() for layer in model.submodules
+                if isinstance(layer, tf.keras.metrics.Metric) or bn_compat.is_batch_norm(layer)
+                for v in layer.variables}
+    return [v for v in variables if v.synchronization != tf.VariableSynchronization.ON_READ
+            or (v.aggregation in _AGGREGATED and v.ref() not in kept)]
 
 
 @contextlib.contextmanager
@@ -111,5 +121,5 @@ def refuse_differing(variables):
         "TensorFlow's distribution strategies require for a variable assigned in a training step: "
         "add_weight(..., aggregation=tf.VariableAggregation.MEAN) averages every assignment's value over the "
         "workers (weighted by their rows: one process's value for an assignment linear in the batch), SUM adds "
-        "them, ONLY_FIRST_REPLICA takes worker 0's; or create it with synchronization=ON_READ to keep one per "
-        "worker.")
+        "them, ONLY_FIRST_REPLICA takes worker 0's; or create it with synchronization=ON_READ (and aggregation NONE) "
+        "to keep one per worker.")

@@ -1447,16 +1447,22 @@ def transformer_lm(scope, batch):
 class RunningStatistics(tf.keras.layers.Layer):
     """A layer of the user's that keeps, in training, a moving average of its input's batch mean (MEAN), a count
     of the rows it has seen (SUM) and the first row of the last batch (ONLY_FIRST_REPLICA), with the aggregations
-    TensorFlow's distribution strategies ask of a variable assigned in a training step; and a count of its calls
-    (Keras' default aggregation, NONE: the same on every worker). The moving average feeds the output."""
+    TensorFlow's distribution strategies ask of a variable assigned in a training step (``synchronization``: theirs,
+    ON_READ as BatchNormalization's statistics are, or Keras' default); and a count of its calls (Keras' default
+    aggregation, NONE: the same on every worker). The moving average feeds the output."""
+
+    def __init__(self, synchronization=tf.VariableSynchronization.AUTO, **kwargs):
+        super().__init__(**kwargs)
+        self.synchronization = synchronization
 
     def build(self, shape):
+        sync = self.synchronization
         self.moving = self.add_weight("moving", shape[-1:], initializer="zeros", trainable=False,
-                                      aggregation=tf.VariableAggregation.MEAN)
+                                      synchronization=sync, aggregation=tf.VariableAggregation.MEAN)
         self.rows = self.add_weight("rows", [], dtype=tf.int64, initializer="zeros", trainable=False,
-                                    aggregation=tf.VariableAggregation.SUM)
+                                    synchronization=sync, aggregation=tf.VariableAggregation.SUM)
         self.first = self.add_weight("first", shape[-1:], initializer="zeros", trainable=False,
-                                     aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+                                     synchronization=sync, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
         self.calls = self.add_weight("calls", [], initializer="zeros", trainable=False)
 
     def call(self, x, training=None):
@@ -1468,9 +1474,25 @@ class RunningStatistics(tf.keras.layers.Layer):
         return x - self.moving
 
 
+class _RowsSeen(tf.keras.layers.Layer):
+    """The identity, with a metric of its own (a ``Sum`` of the rows it saw in training, logged by fit)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seen = tf.keras.metrics.Sum(name="rows_seen")
+
+    def call(self, x, training=None):
+        if training:
+            self.seen.update_state(tf.cast(tf.shape(x)[0], tf.float32))
+        return x
+
+
 def layer_running_statistics(scope, batch):
     """RunningStatistics between a table's pooled rows and the output, on 117 rows (a partial last batch: the
-    workers' last batches differ in size, so the mean is weighted by their rows)."""
+    workers' last batches differ in size, so the mean is weighted by their rows); then the same with the layer's
+    aggregated variables ON_READ (one per replica under TensorFlow's strategies, combined when read), beside a
+    BatchNormalization layer and a layer's own metric (ON_READ too: neither is combined in the step), and
+    the model evaluated in inference mode, where the moving average is read."""
     ids, rng = _ids(86)
     y = rng.normal(size=(ROWS, 1)).astype(np.float32)
     with scope():
@@ -1480,7 +1502,19 @@ def layer_running_statistics(scope, batch):
         _init(model)
         model.compile(optimizer=tf.keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
         history = model.fit(ids[:ROWS - 11], y[:ROWS - 11], batch_size=batch, epochs=2, shuffle=False, verbose=0)
-    model.logged = [np.array([history.history[key] for key in sorted(history.history)])]
+        on_read = tf.keras.Sequential([
+            tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB),
+            tf.keras.layers.GlobalAveragePooling1D(), tf.keras.layers.BatchNormalization(), _RowsSeen(),
+            RunningStatistics(synchronization=tf.VariableSynchronization.ON_READ), tf.keras.layers.Dense(1)])
+        _init(on_read)
+        on_read.compile(optimizer=tf.keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
+        on_read_history = on_read.fit(ids[:ROWS - 11], y[:ROWS - 11], batch_size=batch, epochs=2, shuffle=False,
+                                      verbose=0)
+        evaluated = on_read.evaluate(ids[:64], y[:64], batch_size=batch, verbose=0)
+    metric = {v.ref() for v in on_read.layers[3].seen.variables}  # each worker's own, combined when logged
+    model.logged = [np.array([history.history[key] for key in sorted(history.history)])] + [
+        v.numpy() for v in on_read.weights if v.ref() not in metric] + [
+        np.array([on_read_history.history[key] for key in sorted(on_read_history.history)]), np.array(evaluated)]
     return model
 
 
