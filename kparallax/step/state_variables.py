@@ -16,10 +16,10 @@ concerned. Each ``assign`` / ``assign_add`` / ``assign_sub`` of such a variable 
   * ``SUM``: their sum (``assign_add`` of each worker's row count: the global batch's);
   * ``ONLY_FIRST_REPLICA``: worker 0's.
 Later reads in the same step see the combined value, as in one process. ``NONE`` (Keras' default), not ``ON_READ``,
-is left as each worker's: ``fit`` compares all of them over the workers after its first step (``fit_callbacks.SameState``;
-``train_on_batch`` after its first call) and refuses any that differ, naming them and these aggregations. A model
-built by its first call creates its variables while its step is traced: they are looked for at the first
-assignment of each variable.
+is left as each worker's: ``fit`` compares all of them over the workers after its first step
+(``fit_callbacks.SameState``; ``train_on_batch`` after its first call) and refuses any that differ, naming them and
+these aggregations. A model built by its first call creates its variables while its step is traced: they are looked
+for at the first assignment of each variable.
 """
 
 import contextlib
