@@ -265,7 +265,11 @@ def test_a_cluster_file_of_this_host_only_starts_it_without_ssh(tmp_path):
     ("compile_outside", ("refused: Model 'sequential' was compiled outside HybridStrategy.scope() in a job of 2 "
                          "workers: each worker would train its own copy alone. Received: fit()",
                          "Received: train_on_batch() of a model compiled outside the scope")),
-    ("custom_loop", "refused: SGD.apply_gradients was called outside kparallax's training step in a job of 2 workers"),
+    ("custom_loop", tuple(f"refused ({what}, {how}): {name}.apply_gradients was called outside kparallax's training "
+                          f"step in a job of 2 workers: {why}"
+                          for what, name, why in (("own", "SGD", "each worker would update its own copy"),
+                                                  ("compiled", "Adam", "its gradients would be averaged, but"))
+                          for how in ("eager", "tf.function"))),
     ("virtual_batch", "refused: BatchNormalization layer 'vbn' normalizes sub-batches of 2 rows of each worker's batch"),
     ("shuffle_seeds", ("refused: The workers shuffle the dataset with different seeds, so each keeps its batches of "
                        "its own order", "Received: first shuffle seeds per worker [[", "100], [", "101]]",
@@ -288,7 +292,9 @@ def test_a_cluster_file_of_this_host_only_starts_it_without_ssh(tmp_path):
 ])
 def test_training_outside_the_strategy_is_refused_in_a_multi_worker_job(tmp_path, mode, message):
     """fit and train_on_batch of a model compiled outside the scope, and a custom training loop's optimizer: each
-    worker would train its own copy alone. Ghost batch normalization (virtual_batch_size) would normalize sub-batches
+    worker would train its own copy alone (the loop's own optimizer), or drift from one process without the rest of
+    kparallax's step (the compiled model's: before, a loop of it trained up to 1.2 off one process, silently); eager and
+    traced, refused before any weight changes. Ghost batch normalization (virtual_batch_size) would normalize sub-batches
     one process never forms. A custom train_step's transformation of its gradients that kparallax cannot make on the
     global batch's gradients (a PS table's clip next to the optimizer's clipnorm, a factor from the worker's own loss,
     any clip under gradient accumulation) would act on each worker's own. A layer's running statistic assigned in

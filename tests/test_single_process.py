@@ -46,6 +46,37 @@ def test_dense_model_trains_like_plain_keras(strategy):
     assert model.predict(x, verbose=0).shape == (64, 1)
 
 
+def test_a_custom_training_loop_with_one_worker_trains_as_plain_keras(strategy):
+    """With one worker, a tf.GradientTape loop applying the compiled model's optimizer (the one kparallax made) or an
+    optimizer of its own trains as the same loop in plain Keras (several workers refuse both: test_launcher.py)."""
+    x, y = _data()
+
+    def train(model, optimizer):
+        @tf.function
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(xb, training=True) - yb))
+            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+        for start in range(0, 64, 16):
+            step(x[start:start + 16], y[start:start + 16])
+        return model.get_weights()
+
+    init = [np.full(w.shape, 0.1 * (i + 1), np.float32) for i, w in enumerate(_dense_model().get_weights())]
+    plain = _dense_model()
+    plain.set_weights(init)
+    expected = train(plain, tf.keras.optimizers.Adam(0.01))
+    with strategy.scope():
+        compiled, own = _dense_model(), _dense_model()
+        compiled.compile(optimizer=tf.keras.optimizers.Adam(0.01), loss="mse")
+    for model in (compiled, own):
+        model.set_weights(init)
+    for got in (train(compiled, compiled.optimizer), train(own, tf.keras.optimizers.Adam(0.01))):
+        assert not np.allclose(got[0], init[0])
+        for a, b in zip(got, expected):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_models_outside_the_scope_are_untouched(strategy):
     model = _dense_model()
     model.compile(optimizer="sgd", loss="mse")

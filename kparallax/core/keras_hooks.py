@@ -142,15 +142,15 @@ def install(strategy):
 def _only_owned_optimizers_in_jobs(original):
     """``apply_gradients`` of Keras' optimizer base classes. In a model's synchronous training step, an optimizer
     kparallax did not make (a second optimizer of a custom ``train_step``, as a GAN has) gets its gradients averaged
-    over the workers like the compiled one's (replicated variables only). Elsewhere, in a job of several workers, only
-    the optimizers kparallax made (``compile`` inside the scope) may apply gradients: any other (a custom training
-    loop) would update each worker's copy alone, so it is refused."""
+    over the workers like the compiled one's (replicated variables only). Elsewhere, in a job of several workers (a
+    custom training loop), it is refused: it would update each worker's copy alone. (The compiled one refuses there
+    in its own ``apply_gradients``, ``train_step._RoutingMixin``.)"""
 
     @functools.wraps(original)
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         if keras_compat.is_owned(self):
             return original(self, grads_and_vars, *args, **kwargs)
-        strategy = getattr(_LOCAL, "step_strategy", None)
+        strategy = train_step.model_step_strategy()
         if strategy is not None:
             grads_and_vars = list(grads_and_vars)
             _refuse_extra_optimizer_on_ps(strategy, self, grads_and_vars)
@@ -158,13 +158,7 @@ def _only_owned_optimizers_in_jobs(original):
                                     lambda averaged: original(self, averaged, *args, **kwargs))
         jobs = [s.num_workers for s in list(_STRATEGIES) if s.num_workers > 1]
         if jobs:
-            raise ValueError(
-                f"{type(self).__name__}.apply_gradients was called outside kparallax's training step in a job of "
-                f"{jobs[0]} workers: each worker would update its own copy of the weights alone (no allreduce, no "
-                "shared PS update). Received: an optimizer applied outside a model's synchronous training step "
-                "(a custom training loop?). Compile the model inside `with strategy.scope():` and train with "
-                "model.fit; a custom train_step (calling self.optimizer.apply_gradients, and other optimizers for "
-                "replicated variables) is supported.")
+            train_step.refuse_custom_loop(self, jobs[0], compiled=False)
         return original(self, grads_and_vars, *args, **kwargs)
     return apply_gradients
 
@@ -366,23 +360,12 @@ def _train_step(original, model, data):
     statistics = (batch_norm.global_statistics(strategy.num_workers, strategy.options.sync_batch_norm)
                   if strategy.num_workers > 1 else contextlib.nullcontext())
     with (statistics, global_losses.workers(strategy.num_workers, share), _worker_random_seed(strategy),
-          _in_step(strategy), gradient_transforms.recording(),
+          train_step.model_step(strategy), gradient_transforms.recording(),
           scalar_metrics.weighing(model, data, strategy.num_workers, share),
           state_variables.combined(model, strategy.is_ps_variable, strategy.num_workers, share)):
         logs = original(model, data)
     return logs_lib.over_workers(logs, model.metrics, iterations, strategy.num_workers, "kp_step_logs", share,
                                  worker_index=strategy.worker_index)
-
-
-@contextlib.contextmanager
-def _in_step(strategy):
-    """While ``strategy``'s synchronous training step is traced: optimizers kparallax did not make route their
-    gradients through it (``_only_owned_optimizers_in_jobs``)."""
-    outer, _LOCAL.step_strategy = getattr(_LOCAL, "step_strategy", None), strategy
-    try:
-        yield
-    finally:
-        _LOCAL.step_strategy = outer
 
 
 @contextlib.contextmanager

@@ -15,8 +15,12 @@
      next step before the update of this one has landed.
 With ``backward_passes_per_step = k`` the gradients are first accumulated locally (``accumulation.py``) and steps
 2-4 run every k-th call. Around it, the model's ``train_step`` (``core/keras_hooks._train_step``) takes the
-step's logs over the workers (``logs.over_workers``), concurrently with backprop.
+step's logs over the workers (``logs.over_workers``), concurrently with backprop. Called outside a model's training
+step (a custom training loop) in a job of several workers, ``apply_gradients`` is refused (``refuse_custom_loop``).
 """
+
+import contextlib
+import threading
 
 import tensorflow as tf
 from kparallax import log as logging
@@ -27,6 +31,8 @@ from kparallax.step import clipping
 from kparallax.step import collectives
 from kparallax.step import global_losses
 from kparallax.step import gradient_transforms
+
+_TRACED = threading.local()
 
 _KNOWN = ("sgd", "adam", "adagrad", "rmsprop", "adamax", "nadam", "adadelta", "ftrl", "adamw", "lion")
 
@@ -40,6 +46,45 @@ def resolve(optimizer):
         optimizer = tf.keras.optimizers.get(optimizer)
     keras_compat.optimizer_family(optimizer)  # raises for anything that is not a tf.keras optimizer
     return optimizer
+
+
+@contextlib.contextmanager
+def model_step(strategy):
+    """While a model's training step (Keras' ``train_step`` or the user's, from ``fit`` or ``train_on_batch``) is
+    traced under ``strategy``: optimizers applying gradients are part of it (``model_step_strategy``)."""
+    outer, _TRACED.strategy = getattr(_TRACED, "strategy", None), strategy
+    try:
+        yield
+    finally:
+        _TRACED.strategy = outer
+
+
+def model_step_strategy():
+    """The strategy whose model's training step is being traced on this thread; None outside one (a custom training
+    loop)."""
+    return getattr(_TRACED, "strategy", None)
+
+
+def refuse_custom_loop(optimizer, num_workers, compiled):
+    """The error for ``optimizer.apply_gradients`` called outside a model's training step in a job of
+    ``num_workers`` > 1 workers; ``compiled``: ``optimizer`` is the one kparallax made at ``compile``."""
+    name = type(optimizer).__name__
+    if compiled:
+        why = ("its gradients would be averaged, but nothing else a training step under kparallax does happens there: "
+               "worker 0's weights are not broadcast before the first step (each worker starts from its own "
+               "initialization or loaded weights), BatchNormalization statistics and the layers' aggregated "
+               "variables stay each worker's own, batches of different sizes are not weighted, so the workers "
+               "would drift from one process silently")
+        received = (f"model.optimizer ({name}) applied outside the model's fit / train_on_batch (a custom training "
+                    "loop?)")
+    else:
+        why = "each worker would update its own copy of the weights alone (no allreduce, no shared PS update)"
+        received = "an optimizer applied outside a model's synchronous training step (a custom training loop?)"
+    raise ValueError(
+        f"{name}.apply_gradients was called outside kparallax's training step in a job of {num_workers} workers: "
+        f"{why}. Received: {received}. Compile the model inside `with strategy.scope():` and train with model.fit "
+        "or train_on_batch; a custom train_step (calling self.optimizer.apply_gradients, and other optimizers for "
+        "replicated variables) is supported. With one worker a custom training loop trains as in one process.")
 
 
 class Step:
@@ -234,6 +279,8 @@ class _RoutingMixin:
 
     @tf.autograph.experimental.do_not_convert
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        if self._kp_step.num_workers > 1 and model_step_strategy() is None:
+            refuse_custom_loop(self, self._kp_step.num_workers, compiled=True)
         return route(self, self._kp_step, grads_and_vars, lambda averaged: super(_RoutingMixin, self).apply_gradients(
             averaged, *args, **kwargs))
 

@@ -50,15 +50,28 @@ if mode == "custom_loop":
     with strategy.scope():
         model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Embedding(10, 2),
                                      tf.keras.layers.Flatten(), tf.keras.layers.Dense(1)])
-    optimizer = tf.keras.optimizers.SGD(0.1)
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_mean(tf.square(model(np.zeros((4, 3), np.int32))))
-    try:
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.1), loss="mse")
+    before = model.get_weights()
+
+    def step(optimizer):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(np.zeros((4, 3), np.int32))))
         optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-    except ValueError as e:
-        print(f"refused: {e}", flush=True)
-    else:
-        sys.exit("a custom training loop's optimizer trained silently")
+
+    # An optimizer of the loop's own, and the compiled model's (kparallax's: its gradients would be averaged, but
+    # nothing else of the training step happens in a loop), eagerly and in a tf.function.
+    for what, optimizer in (("own", tf.keras.optimizers.SGD(0.1)), ("compiled", model.optimizer)):
+        for how, run in (("eager", step), ("tf.function", tf.function(step))):
+            try:
+                run(optimizer)
+            except ValueError as e:  # in a tf.function, after TensorFlow's "in user code:" lines
+                text = str(e)
+                print(f"refused ({what}, {how}): {text[max(0, text.find(type(optimizer).__name__ + '.')):]}",
+                      flush=True)
+            else:
+                sys.exit(f"a custom training loop's optimizer ({what}, {how}) trained silently")
+    if any(not np.array_equal(a, b) for a, b in zip(before, model.get_weights())):
+        sys.exit("a refused custom training loop changed the weights")
 if mode == "shuffle_seeds":
     # Each worker seeds its dataset's shuffle with its own rank (as a script seeding per worker does): refused, as
     # their batches of their own orders would overlap. With one seed on every worker, fit trains.
