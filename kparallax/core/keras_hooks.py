@@ -142,8 +142,8 @@ def install(strategy):
 def _only_owned_optimizers_in_jobs(original):
     """``apply_gradients`` of Keras' optimizer base classes. In a model's synchronous training step, an optimizer
     kparallax did not make (a second optimizer of a custom ``train_step``, as a GAN has) gets its gradients averaged
-    over the workers like the compiled one's (replicated variables only). Elsewhere, in a job of several workers (a
-    custom training loop), it is refused: it would update each worker's copy alone. (The compiled one refuses there
+    over the workers like the compiled one's (replicated variables only). Elsewhere (a custom training loop, or an
+    asynchronous step), in a job of several workers, it is refused: it would update each worker's copy alone. (The compiled one refuses there
     in its own ``apply_gradients``, ``train_step._RoutingMixin``.)"""
 
     @functools.wraps(original)
@@ -151,7 +151,7 @@ def _only_owned_optimizers_in_jobs(original):
         if keras_compat.is_owned(self):
             return original(self, grads_and_vars, *args, **kwargs)
         strategy = train_step.model_step_strategy()
-        if strategy is not None:
+        if strategy is not None and strategy.options.sync:
             grads_and_vars = list(grads_and_vars)
             _refuse_extra_optimizer_on_ps(strategy, self, grads_and_vars)
             return train_step.route(self, strategy.extra_step(self), grads_and_vars,
@@ -256,8 +256,8 @@ def _compile(model, *args, **kwargs):
     _bind_method(model, "get_weights", _layer_get_weights, strategy)
     _bind_method(model, "set_weights", _layer_set_weights, strategy)
     _bind_method(model, "make_train_function", _make_train_function, original_method(model, "make_train_function"))
-    if strategy.options.sync:
-        _bind_method(model, "train_step", _train_step, original_method(model, "train_step"))
+    _bind_method(model, "train_step", _train_step if strategy.options.sync else _async_train_step,
+                 original_method(model, "train_step"))
     _bind_method(model, "save", saving.save_with_optimizer, original_method(model, "save"), strategy, clones)
     _bind_method(model, "save_weights", saving.save_weights, original_method(model, "save_weights"), strategy, clones)
     _bind_method(model, "export", saving.save, original_method(model, "export"), strategy)
@@ -366,6 +366,14 @@ def _train_step(original, model, data):
         logs = original(model, data)
     return logs_lib.over_workers(logs, model.metrics, iterations, strategy.num_workers, "kp_step_logs", share,
                                  worker_index=strategy.worker_index)
+
+
+def _async_train_step(original, model, data):
+    """Asynchronous training (``sync=False``): the model's own ``train_step`` as it is, marked as the model's
+    training step (``train_step.model_step``), in which its compiled optimizer applies gradients (outside one, in a
+    job of several workers, it is refused: a custom training loop)."""
+    with train_step.model_step(compiled(model).strategy):
+        return original(model, data)
 
 
 @contextlib.contextmanager
