@@ -6,7 +6,8 @@ evaluate, a stateful LSTM, run_eagerly without tables, a second optimizer in a c
 tables with sparse gradients, moved onto the PS), metrics added with add_metric and Keras' guide's loss tracker (sums
 and means over the batch on a partial last batch),
 a train_on_batch loop from per-worker
-random initializations) on 2 workers + 1 PS equal the same programs in one plain process on
+random initializations, steps_per_execution on a partial last batch, a second fit with another batch size and a
+class_weight, EarlyStopping restoring the best weights beside ModelCheckpoint(save_best_only)) on 2 workers + 1 PS equal the same programs in one plain process on
 the global batch (issue 14)."""
 
 import os

@@ -1567,6 +1567,74 @@ def built_by_first_step(scope, batch):
     return model
 
 
+def steps_per_execution_partial(scope, batch):
+    """compile(steps_per_execution=2) on NumPy arrays of 117 rows with validation_split=0.2: 94 training rows, 3
+    steps per epoch run as executions of 2 and 1 steps, the last step's batches 15 + 15 rows (one process's 30). A
+    table, BatchNormalization, a sigmoid output with accuracy and AUC, Adam; every epoch's logs (validation too)."""
+    ids, rng = _ids(41)
+    y = (rng.uniform(size=(ROWS, 1)) > 0.5).astype(np.float32)
+    with scope():
+        model = tf.keras.Sequential([tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB),
+                                     tf.keras.layers.GlobalAveragePooling1D(), tf.keras.layers.Dense(4, use_bias=False),
+                                     tf.keras.layers.BatchNormalization(),
+                                     tf.keras.layers.Dense(1, activation="sigmoid")])
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="binary_crossentropy",
+                      metrics=["accuracy", tf.keras.metrics.AUC()], steps_per_execution=2)
+        history = model.fit(ids[:117], y[:117], batch_size=batch, epochs=2, shuffle=False, verbose=0,
+                            validation_split=0.2)
+    model.logged = [np.array([history.history[key] for key in sorted(history.history)])]
+    return model
+
+
+def second_fit_other_batch(scope, batch):
+    """Two fits of one compiled model: one epoch on 128 rows, then two on 100 rows with half the batch and a
+    class_weight (the step traced again), then evaluate. A table, logits with SparseCategoricalCrossentropy,
+    RMSprop; both fits' losses, the second's accuracy and evaluate's results are kept."""
+    ids, rng = _ids(43)
+    y = rng.integers(0, 3, size=(ROWS,)).astype(np.int32)
+    with scope():
+        model = tf.keras.Sequential([tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB),
+                                     tf.keras.layers.GlobalAveragePooling1D(), tf.keras.layers.Dense(3)])
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.RMSprop(0.01),
+                      loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+        first = model.fit(ids, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+        second = model.fit(ids[:100], y[:100], batch_size=batch // 2, epochs=2, shuffle=False, verbose=0,
+                           class_weight={0: 1.0, 1: 2.0, 2: 0.5})
+        evaluated = model.evaluate(ids, y, verbose=0)
+    model.logged = [np.array(first.history["loss"] + second.history["loss"] + second.history["accuracy"]
+                             + list(evaluated))]
+    return model
+
+
+def restore_best_weights(scope, batch):
+    """EarlyStopping(patience=2, restore_best_weights=True) next to ModelCheckpoint(save_best_only=True, an h5 weights
+    file in a directory every worker sees): the validation loss is best after the first of 8 epochs, so fit stops
+    after the third with that epoch's weights, tables included. Then evaluate, load_weights of the best file (worker
+    0 wrote it), evaluate, and one more epoch from there (Adam keeps its state). Losses and results are kept."""
+    ids, rng = _ids(59)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    path = os.path.join(SHARED_DIR or tempfile.mkdtemp(prefix="kp_best_"), "best.h5")
+    with scope():
+        model = _pooled_regressor()
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.2), loss="mse")
+        history = model.fit(ids[:96], y[:96], batch_size=batch, epochs=8, shuffle=False, verbose=0,
+                            validation_data=(ids[96:], y[96:]),
+                            callbacks=[tf.keras.callbacks.EarlyStopping(patience=2, restore_best_weights=True),
+                                       tf.keras.callbacks.ModelCheckpoint(path, save_best_only=True,
+                                                                          save_weights_only=True)])
+        restored = model.evaluate(ids[96:], y[96:], verbose=0)
+        model.load_weights(path)
+        loaded = model.evaluate(ids[96:], y[96:], verbose=0)
+        after = model.fit(ids[:96], y[:96], batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    if len(history.history["loss"]) != 3:
+        raise AssertionError(f"EarlyStopping should stop after 3 epochs; ran {len(history.history['loss'])}")
+    model.logged = [np.array(history.history["loss"] + history.history["val_loss"] + [restored, loaded]
+                             + after.history["loss"])]
+    return model
+
+
 PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, mixed_float16_clipped,
                                     clipped_two_optimizers, ratio_metrics, custom_metric_classes, sparse_and_ragged_inputs,
                                     sequence_input, generator_input,
@@ -1584,4 +1652,5 @@ PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, mixed
                                     run_eagerly_dense, two_optimizers,
                                     fine_tuning, own_compute_loss, own_embedding_layer,
                                     added_metrics, tracked_train_step, multi_output, transformer_lm,
+                                    steps_per_execution_partial, second_fit_other_batch, restore_best_weights,
                                     built_by_first_step, train_on_batch_loop)}  # last two: they seed Keras' RNG
