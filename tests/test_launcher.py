@@ -293,7 +293,7 @@ def test_a_cluster_file_of_this_host_only_starts_it_without_ssh(tmp_path):
 def test_training_outside_the_strategy_is_refused_in_a_multi_worker_job(tmp_path, mode, message):
     """fit and train_on_batch of a model compiled outside the scope, and a custom training loop's optimizer: each
     worker would train its own copy alone (the loop's own optimizer), or drift from one process without the rest of
-    kparallax's step (the compiled model's: before, a loop of it trained up to 1.2 off one process, silently); eager and
+    kparallax's step (the compiled model's: before, a loop of it trained up to 0.56 off one process, silently); eager and
     traced, refused before any weight changes. Ghost batch normalization (virtual_batch_size) would normalize sub-batches
     one process never forms. A custom train_step's transformation of its gradients that kparallax cannot make on the
     global batch's gradients (a PS table's clip next to the optimizer's clipnorm, a factor from the worker's own loss,
