@@ -293,11 +293,11 @@ def test_a_cluster_file_of_this_host_only_starts_it_without_ssh(tmp_path):
 def test_training_outside_the_strategy_is_refused_in_a_multi_worker_job(tmp_path, mode, message):
     """fit and train_on_batch of a model compiled outside the scope, and a custom training loop's optimizer: each
     worker would train its own copy alone (the loop's own optimizer), or drift from one process without the rest of
-    kparallax's step (the compiled model's: before, a loop of it trained up to 0.56 off one process, silently); eager and
-    traced, refused before any weight changes. Ghost batch normalization (virtual_batch_size) would normalize sub-batches
-    one process never forms. A custom train_step's transformation of its gradients that kparallax cannot make on the
-    global batch's gradients (a PS table's clip next to the optimizer's clipnorm, a factor from the worker's own loss,
-    any clip under gradient accumulation) would act on each worker's own. A layer's running statistic assigned in
+    kparallax's step (the compiled model's: before, a loop of it trained up to 0.56 off one process, silently);
+    eager and traced, refused before any weight changes. Ghost batch normalization (virtual_batch_size) would
+    normalize sub-batches one process never forms. A custom train_step's transformation of its gradients that
+    kparallax cannot make on the global batch's gradients (a PS table's clip next to the optimizer's clipnorm, a
+    factor from the worker's own loss, any clip under gradient accumulation) would act on each worker's own. A layer's running statistic assigned in
     the step without an aggregation would move its own way on each worker (its 'calls' counter, the same on every
     worker, is not named), in fit and in a train_on_batch loop after its
     first call (also for a model built by that call)."""

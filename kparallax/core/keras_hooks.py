@@ -143,8 +143,8 @@ def _only_owned_optimizers_in_jobs(original):
     """``apply_gradients`` of Keras' optimizer base classes. In a model's synchronous training step, an optimizer
     kparallax did not make (a second optimizer of a custom ``train_step``, as a GAN has) gets its gradients averaged
     over the workers like the compiled one's (replicated variables only). Elsewhere (a custom training loop, or an
-    asynchronous step), in a job of several workers, it is refused: it would update each worker's copy alone. (The compiled one refuses there
-    in its own ``apply_gradients``, ``train_step._RoutingMixin``.)"""
+    asynchronous step), in a job of several workers, it is refused: it would update each worker's copy alone. (The
+    compiled one refuses there in its own ``apply_gradients``, ``train_step._RoutingMixin``.)"""
 
     @functools.wraps(original)
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
