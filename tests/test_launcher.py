@@ -297,10 +297,10 @@ def test_training_outside_the_strategy_is_refused_in_a_multi_worker_job(tmp_path
     eager and traced, refused before any weight changes. Ghost batch normalization (virtual_batch_size) would
     normalize sub-batches one process never forms. A custom train_step's transformation of its gradients that
     kparallax cannot make on the global batch's gradients (a PS table's clip next to the optimizer's clipnorm, a
-    factor from the worker's own loss, any clip under gradient accumulation) would act on each worker's own. A layer's running statistic assigned in
-    the step without an aggregation would move its own way on each worker (its 'calls' counter, the same on every
-    worker, is not named), in fit and in a train_on_batch loop after its
-    first call (also for a model built by that call)."""
+    factor from the worker's own loss, any clip under gradient accumulation) would act on each worker's own. A
+    layer's running statistic assigned in the step without an aggregation would move its own way on each worker (its
+    'calls' counter, the same on every worker, is not named), in fit and in a train_on_batch loop after its first
+    call (also for a model built by that call)."""
     run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "worker_behaviour.py"), mode],
                             log_dir=str(tmp_path), workers=2, ps=1, timeout=120)
     assert run.returncode == 0, run.report()
