@@ -329,23 +329,26 @@ def keras_callbacks(scope, batch):
     return model
 
 
-def _fit_mixed_float16(scope, batch, seed, overflow=False):
-    """A table, a hidden layer and a float32 output trained with Adam under the mixed_float16 policy (float16
-    compute, float32 variables, Keras' loss-scale optimizer). With ``overflow``, the targets of the odd rows 33-63
-    (worker 1's whole second batch: arrays are sharded by stride) are 10^4. Returns (model, History)."""
+def _fit_mixed_precision(scope, batch, seed, policy="mixed_float16", overflow=False):
+    """A table, a hidden layer and a float32 output trained under a mixed-precision policy (float32 variables):
+    with Adam under mixed_float16 (float16 compute, Keras' loss-scale optimizer), with SGD under mixed_bfloat16
+    (bfloat16 compute, no loss scaling). With ``overflow``, the targets of the odd rows 33-63 (worker 1's whole
+    second batch: arrays are sharded by stride) are 10^4. Returns (model, History)."""
     ids, rng = _ids(seed)
     y = rng.normal(size=(ROWS, 1)).astype(np.float32)
     if overflow:
         y[33:64:2] = 1e4
-    tf.keras.mixed_precision.set_global_policy("mixed_float16")
+    tf.keras.mixed_precision.set_global_policy(policy)
     try:
         with scope():
             model = tf.keras.Sequential([tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB),
                                          tf.keras.layers.Flatten(), tf.keras.layers.Dense(4, activation="relu"),
                                          tf.keras.layers.Dense(1, dtype="float32")])
             _init(model)
-            model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="mse")
+            optimizer = tf.keras.optimizers.Adam(0.02) if policy == "mixed_float16" else tf.keras.optimizers.SGD(0.05)
+            model.compile(optimizer=optimizer, loss="mse")
             history = model.fit(ids, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+        assert model.layers[0].compute_dtype == policy[len("mixed_"):], model.layers[0].compute_dtype
     finally:
         tf.keras.mixed_precision.set_global_policy("float32")
     return model, history
@@ -353,7 +356,16 @@ def _fit_mixed_float16(scope, batch, seed, overflow=False):
 
 def mixed_float16(scope, batch):
     """The mixed_float16 policy (float16 compute, float32 variables, Keras' loss-scale optimizer)."""
-    return _fit_mixed_float16(scope, batch, 10)[0]
+    return _fit_mixed_precision(scope, batch, 10)[0]
+
+
+def mixed_bfloat16(scope, batch):
+    """The mixed_bfloat16 policy with SGD. Each worker's half-batch gradient is rounded to bfloat16 apart from the
+    global batch's, so the weights agree to bfloat16 precision only; SGD keeps that rounding as small as it is
+    (Adam's division by the root of its second moment would blow up the rounding of near-zero gradients)."""
+    model, history = _fit_mixed_precision(scope, batch, 61, policy="mixed_bfloat16")
+    model.logged = [np.array(history.history["loss"])]
+    return model
 
 
 def mixed_float16_overflow(scope, batch):
@@ -361,7 +373,7 @@ def mixed_float16_overflow(scope, batch):
     targets of 10^4, so that step's float16 gradients are infinite at the loss scales Keras tries, in one process
     and on worker 1. One process skips the step (and halves its loss scale); so must every worker. Adam: its step
     count includes skipped steps. The final loss scale and step count are kept with the epoch losses."""
-    model, history = _fit_mixed_float16(scope, batch, 12, overflow=True)
+    model, history = _fit_mixed_precision(scope, batch, 12, overflow=True)
     model.logged = [np.array(history.history["loss"]),
                     np.array([float(model.optimizer.loss_scale), float(model.optimizer.iterations)])]
     return model
@@ -1639,7 +1651,7 @@ PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, mixed
                                     clipped_two_optimizers, ratio_metrics, custom_metric_classes, sparse_and_ragged_inputs,
                                     sequence_input, generator_input,
                                     summed_losses, scalar_loss_functions, scalar_metric_functions, added_loss_only,
-                                    unreduced_loss, batch_normalization, mixed_float16, mixed_float16_overflow,
+                                    unreduced_loss, batch_normalization, mixed_float16, mixed_float16_overflow, mixed_bfloat16,
                                     dict_inputs_auc, tf_data_unknown_cardinality, weighted_samples,
                                     mask_zero_lstm_callbacks,
                                     custom_train_step, text_vectorization, lookup_layers, shared_layer, keras_callbacks,
