@@ -270,6 +270,10 @@ def test_a_cluster_file_of_this_host_only_starts_it_without_ssh(tmp_path):
                           for what, name, why in (("own", "SGD", "each worker would update its own copy"),
                                                   ("compiled", "Adam", "its gradients would be averaged, but"))
                           for how in ("eager", "tf.function"))),
+    ("async_two_optimizers", ("refused: A second optimizer (SGD) in an asynchronous training step (sync=False) is "
+                              "not supported: each worker would update its own copy of its variables alone",
+                              "Received: SGD.apply_gradients in the train_step of a model trained with sync=False in "
+                              "a job of 2 workers.")),
     ("virtual_batch", "refused: BatchNormalization layer 'vbn' normalizes sub-batches of 2 rows of each worker's batch"),
     ("shuffle_seeds", ("refused: The workers shuffle the dataset with different seeds, so each keeps its batches of "
                        "its own order", "Received: first shuffle seeds per worker [[", "100], [", "101]]",
@@ -300,7 +304,8 @@ def test_training_outside_the_strategy_is_refused_in_a_multi_worker_job(tmp_path
     factor from the worker's own loss, any clip under gradient accumulation) would act on each worker's own. A
     layer's running statistic assigned in the step without an aggregation would move its own way on each worker (its
     'calls' counter, the same on every worker, is not named), in fit and in a train_on_batch loop after its first
-    call (also for a model built by that call)."""
+    call (also for a model built by that call). A custom train_step's second optimizer under sync=False would update
+    each worker's copy of its variables alone (before, it was refused with the custom training loop's message)."""
     run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "worker_behaviour.py"), mode],
                             log_dir=str(tmp_path), workers=2, ps=1, timeout=120)
     assert run.returncode == 0, run.report()

@@ -142,9 +142,10 @@ def install(strategy):
 def _only_owned_optimizers_in_jobs(original):
     """``apply_gradients`` of Keras' optimizer base classes. In a model's synchronous training step, an optimizer
     kparallax did not make (a second optimizer of a custom ``train_step``, as a GAN has) gets its gradients averaged
-    over the workers like the compiled one's (replicated variables only). Elsewhere (a custom training loop, or an
-    asynchronous step), in a job of several workers, it is refused: it would update each worker's copy alone. (The
-    compiled one refuses there in its own ``apply_gradients``, ``train_step._RoutingMixin``.)"""
+    over the workers like the compiled one's (replicated variables only). Elsewhere, in a job of several workers, it
+    is refused, as it would update each worker's copy alone: in an asynchronous step with its own message, outside
+    a model's step as a custom training loop. (The compiled one refuses a loop in its own ``apply_gradients``,
+    ``train_step._RoutingMixin``.)"""
 
     @functools.wraps(original)
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
@@ -156,6 +157,15 @@ def _only_owned_optimizers_in_jobs(original):
             _refuse_extra_optimizer_on_ps(strategy, self, grads_and_vars)
             return train_step.route(self, strategy.extra_step(self), grads_and_vars,
                                     lambda averaged: original(self, averaged, *args, **kwargs))
+        if strategy is not None and strategy.num_workers > 1:
+            name = type(self).__name__
+            raise ValueError(
+                f"A second optimizer ({name}) in an asynchronous training step (sync=False) is not supported: each "
+                "worker would update its own copy of its variables alone (asynchronous training shares only the "
+                f"compiled optimizer's updates, through the PS). Received: {name}.apply_gradients in the train_step "
+                f"of a model trained with sync=False in a job of {strategy.num_workers} workers. Train with "
+                "sync=True (a second optimizer's gradients are then averaged over the workers), or apply every "
+                "gradient with self.optimizer.")
         jobs = [s.num_workers for s in list(_STRATEGIES) if s.num_workers > 1]
         if jobs:
             train_step.refuse_custom_loop(self, jobs[0], compiled=False)

@@ -3,7 +3,8 @@
 Usage: worker_behaviour.py MODE (fail_rank1 | same_index | ok | compile_outside | custom_loop | skew_steps |
                                skew_steps_async | virtual_batch | batch_norm_global | batch_norm_per_worker |
                                dropout_masks | several_models | clip_refused | clip_accumulated | shuffle_seeds |
-                               bad_id_rank1 | made_before | built_by_first_call | unaggregated_state)
+                               bad_id_rank1 | made_before | built_by_first_call | unaggregated_state |
+                               async_two_optimizers)
 """
 
 import os
@@ -23,7 +24,7 @@ if mode == "made_before":  # an optimizer and an adapted lookup layer made befor
 import kparallax as kp
 
 try:
-    strategy = kp.HybridStrategy(kp.Cluster.from_env(), sync=mode != "skew_steps_async",
+    strategy = kp.HybridStrategy(kp.Cluster.from_env(), sync=mode not in ("skew_steps_async", "async_two_optimizers"),
                                  sync_batch_norm=mode != "batch_norm_per_worker",
                                  backward_passes_per_step=2 if mode == "clip_accumulated" else 1,
                                  partitions=3 if mode == "bad_id_rank1" else 1)
@@ -72,6 +73,46 @@ if mode == "custom_loop":
                 sys.exit(f"a custom training loop's optimizer ({what}, {how}) trained silently")
     if any(not np.array_equal(a, b) for a, b in zip(before, model.get_weights())):
         sys.exit("a refused custom training loop changed the weights")
+if mode == "async_two_optimizers":
+    # A custom train_step applying a second optimizer to its Dense layer (a GAN's pattern) under sync=False: each
+    # worker would update its own copy of that layer alone. Refused at the first step, before any weight changes.
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    class TwoOptimizers(tf.keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.table, self.out = tf.keras.layers.Embedding(10, 2), tf.keras.layers.Dense(1)
+            self.second = tf.keras.optimizers.SGD(0.1)
+
+        def call(self, ids):
+            return self.out(tf.reduce_mean(self.table(ids), axis=1))
+
+        def train_step(self, data):
+            ids, y = data
+            with tf.GradientTape(persistent=True) as tape:
+                loss = tf.reduce_mean(tf.square(self(ids) - y))
+            self.second.apply_gradients(zip(tape.gradient(loss, self.out.trainable_variables),
+                                            self.out.trainable_variables))
+            self.optimizer.apply_gradients(zip(tape.gradient(loss, self.table.trainable_variables),
+                                               self.table.trainable_variables))
+            return {"loss": loss}
+
+    with strategy.scope():
+        model = TwoOptimizers()
+        model(np.zeros((1, 3), np.int32))
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.1))
+    model.set_weights([np.full_like(w, 0.5) for w in model.get_weights()])  # alike: fit's broadcast changes nothing
+    before = model.get_weights()
+    try:
+        model.fit(np.ones((16, 3), np.int32), np.ones((16, 1)), batch_size=4, verbose=0)
+    except ValueError as e:  # after TensorFlow's "in user code:" lines
+        text = str(e)
+        print(f"refused: {text[text.find('A second optimizer'):]}", flush=True)
+    else:
+        sys.exit("a second optimizer in an asynchronous step trained silently")
+    if any(not np.array_equal(a, b) for a, b in zip(before, model.get_weights())):
+        sys.exit("a refused second optimizer changed the weights")
 if mode == "shuffle_seeds":
     # Each worker seeds its dataset's shuffle with its own rank (as a script seeding per worker does): refused, as
     # their batches of their own orders would overlap. With one seed on every worker, fit trains.
