@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 if [[ "${1:-}" == "--fast" ]]; then
   shift
-  exec .venv/bin/python -m pytest -v -rs -m "not multiprocess" "$@"
+  exec .venv/bin/python -m pytest -v -rs --durations=20 -m "not multiprocess" "$@"
 fi
-exec .venv/bin/python -m pytest -v -rs "$@"
+# --durations: the slowest tests, to compare with the timeouts they run under (a slower machine must not reach them).
+exec .venv/bin/python -m pytest -v -rs --durations=30 "$@"

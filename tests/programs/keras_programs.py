@@ -1666,3 +1666,12 @@ PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, mixed
                                     added_metrics, tracked_train_step, multi_output, transformer_lm,
                                     steps_per_execution_partial, second_fit_other_batch, restore_best_weights,
                                     built_by_first_step, train_on_batch_loop)}  # last two: they seed Keras' RNG
+
+
+def shard(index, count):
+    """The names of the programs in part ``index`` of ``count`` contiguous parts of ``PROGRAMS`` (in order, so the
+    last two, which seed Keras' RNG, stay last): the test runs each part in its own job, under its own timeout."""
+    if not 0 <= index < count:
+        raise ValueError(f"A shard index must be in [0, {count}). Received: {index}")
+    names = list(PROGRAMS)
+    return names[index * len(names) // count:(index + 1) * len(names) // count]

@@ -1,7 +1,7 @@
 """Runs keras_programs in one plain process (MODE=reference, global batch) or under kparallax (MODE=kparallax,
 per-worker batch; under kparallax-run). Writes OUT_DIR/<program>.npz (weights, then any logged values) from worker
-0.
-Usage: train_keras_programs.py OUT_DIR MODE"""
+0. SHARD ("i/n", default "0/1") runs part i of n of the programs (keras_programs.shard).
+Usage: train_keras_programs.py OUT_DIR MODE [SHARD]"""
 
 import contextlib
 import os
@@ -14,7 +14,7 @@ import keras_programs as programs
 PER_WORKER_BATCH = 16
 
 
-def main(out_dir, mode):
+def main(out_dir, mode, part="0/1"):
     if mode == "reference":
         scope, batch, chief = contextlib.nullcontext, PER_WORKER_BATCH * programs.WORKERS, True
     else:
@@ -23,8 +23,9 @@ def main(out_dir, mode):
         scope, batch, chief = strategy.scope, PER_WORKER_BATCH, strategy.is_chief
         programs.RANK, programs.RUN_WORKERS = strategy.worker_index, strategy.num_workers
     programs.SHARED_DIR = out_dir
-    for name, program in programs.PROGRAMS.items():
-        model = program(scope, batch)
+    index, count = (int(n) for n in part.split("/"))
+    for name in programs.shard(index, count):
+        model = programs.PROGRAMS[name](scope, batch)
         if chief:
             # A program may name the weights it compares (not its metrics' variables, say).
             weights = model.compared_weights() if hasattr(model, "compared_weights") else model.get_weights()
@@ -36,4 +37,4 @@ def main(out_dir, mode):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])
