@@ -8,6 +8,8 @@ Public API::
     kp.checkpoint       save / latest / restore: atomic, lossless checkpoints (PS tables and slots included)
     kp.options          Options (the validated strategy options), architecture_from_env
     kp.data.per_worker  mark a dataset each worker already reads its own part of (fit then does not shard it)
+    kp.all_gather       the global batch's rows of a tensor in the training step (in-batch negatives), with
+    kp.row_offset       where this worker's rows are among them
 
 Names are imported on first use: ``import kparallax`` (and the launcher) load neither TensorFlow nor Horovod.
 """
@@ -15,11 +17,14 @@ Names are imported on first use: ``import kparallax`` (and the launcher) load ne
 import importlib
 
 __version__ = "0.1.0"
-__all__ = ["Cluster", "HybridStrategy", "callbacks", "checkpoint", "data", "options", "__version__"]
+__all__ = ["Cluster", "HybridStrategy", "all_gather", "callbacks", "checkpoint", "data", "options", "row_offset",
+           "__version__"]
 
 _NAMES = {
     "Cluster": ("kparallax.cluster.spec", "Cluster"),
     "HybridStrategy": ("kparallax.core.strategy", "HybridStrategy"),
+    "all_gather": ("kparallax.step.rows", "all_gather"),
+    "row_offset": ("kparallax.step.rows", "row_offset"),
     "callbacks": ("kparallax.callbacks", None),
     "checkpoint": ("kparallax.checkpoint", None),
     "data": ("kparallax.core.data", None),
