@@ -19,7 +19,9 @@ rows. When batches differ in size the step weights each worker's gradient by its
 worker's after it. Everywhere else (one process, one worker, ``evaluate`` / ``predict`` and validation, which see
 the whole input on every worker) it returns ``value`` and ``row_offset`` returns 0, so the same code runs in a plain
 process. The gathered rows are a permutation of one process's batch (each worker keeps rows ``i, i+N, ...``): a
-loss that does not depend on the candidates' order (a softmax over them) equals one process's.
+loss that does not depend on the candidates' order (a softmax over them) equals one process's. Called on a Keras
+tensor (a functional model being built), each returns a ``Lambda`` layer's output, so that the model calls it in
+every step (called directly, it would run once, at construction, and leave the model without it).
 """
 
 import tensorflow as tf
@@ -79,6 +81,8 @@ def all_gather(value):
       ValueError: in an asynchronous step, a step accumulating micro-batches, or a step run eagerly, on several
         workers.
     """
+    if tf.keras.backend.is_keras_tensor(value):
+        return tf.keras.layers.Lambda(all_gather)(value)
     strategy = _job()
     if strategy is None:
         return value
@@ -110,6 +114,8 @@ def all_gather(value):
 def row_offset(value):
     """The position of this worker's first row of ``value`` in ``all_gather(value)`` (an int32 scalar tensor): the
     row count of the workers before it in kparallax's synchronous training step on several workers, 0 elsewhere."""
+    if tf.keras.backend.is_keras_tensor(value):
+        return tf.keras.layers.Lambda(row_offset)(value)
     strategy = _job()
     if strategy is None:
         return tf.constant(0, tf.int32)

@@ -5,7 +5,8 @@ Usage: in_batch_negatives.py OUT_DIR MODE [SYNC [ARCHITECTURE]]
   MODE=kparallax: under kparallax-run, per-worker batch, the candidates gathered with kp.all_gather and the labels
   offset by kp.row_offset; SYNC ("sync" or "async") sets the strategy's sync option, ARCHITECTURE its architecture
   (default hybrid).
-Writes OUT_DIR/in_batch_negatives.npz (weights, then the epoch losses) from worker 0 (or the one process).
+The model is built twice, subclassed and functional; writes OUT_DIR/subclassed.npz and OUT_DIR/functional.npz
+(weights, then the epoch losses and the evaluated loss) from worker 0 (or the one process).
 """
 
 import contextlib
@@ -20,11 +21,11 @@ VOCAB, EMB, LEN, ROWS, WORKERS, PER_WORKER_BATCH = 120, 6, 5, 117, 2, 16  # 117 
 
 class Retrieval(tf.keras.Model):
     """Queries and candidates (id lists) pooled from one shared table into two Dense towers; logits are every
-    query's scores against the candidates of the batch (``gather``ed), labels each query's own candidate."""
+    query's scores against the candidates of the batch (``gather``ed)."""
 
-    def __init__(self, gather, offset):
+    def __init__(self, gather):
         super().__init__()
-        self.gather, self.offset = gather, offset
+        self.gather = gather
         self.table = tf.keras.layers.Embedding(VOCAB, EMB)
         self.pool = tf.keras.layers.GlobalAveragePooling1D()
         # No bias on the candidate tower: adding one vector to every candidate shifts a query's logits alike, so its
@@ -36,10 +37,31 @@ class Retrieval(tf.keras.Model):
         d = self.d(self.pool(self.table(inputs[1])))
         return tf.matmul(q, self.gather(d), transpose_b=True)
 
-    def loss_fn(self, y_true, logits):
+
+def functional(gather):
+    """The same towers as a functional model: ``gather`` applied to a Keras tensor while it is built."""
+    queries, candidates = tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.Input((LEN,), dtype=tf.int32)
+    table, pool = tf.keras.layers.Embedding(VOCAB, EMB), tf.keras.layers.GlobalAveragePooling1D()
+    q = tf.keras.layers.Dense(4)(pool(table(queries)))
+    d = tf.keras.layers.Dense(4, use_bias=False)(pool(table(candidates)))
+    return tf.keras.Model([queries, candidates], tf.matmul(q, gather(d), transpose_b=True))
+
+
+def in_batch_loss(offset):
+    """Each query's own candidate as its label: ``offset(logits)`` (where this worker's rows are among the
+    candidates) plus its row."""
+    def loss(y_true, logits):
         del y_true
-        labels = self.offset(logits) + tf.range(tf.shape(logits)[0])
+        labels = offset(logits) + tf.range(tf.shape(logits)[0])
         return tf.keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+    return loss
+
+
+def _identity(value):
+    """The reference's gather: on a Keras tensor a Lambda layer, as kp.all_gather adds one to a functional model in
+    one process too (a layer of its own, which comes first in the model's layers and weights: it deepens its
+    branch)."""
+    return tf.keras.layers.Lambda(lambda t: t)(value) if tf.keras.backend.is_keras_tensor(value) else value
 
 
 def main(out_dir, mode, sync="sync", architecture="hybrid"):
@@ -48,26 +70,27 @@ def main(out_dir, mode, sync="sync", architecture="hybrid"):
     candidates = rng.integers(1, VOCAB, size=(ROWS, LEN)).astype(np.int32)
     if mode == "reference":
         scope, batch, chief = contextlib.nullcontext, PER_WORKER_BATCH * WORKERS, True
-        gather, offset = (lambda d: d), (lambda logits: 0)
+        gather, offset = _identity, (lambda logits: 0)
     else:
         import kparallax as kp  # pylint: disable=import-outside-toplevel
-        strategy = kp.HybridStrategy(kp.Cluster.from_env(), sync=sync == "sync",
-                                   architecture=architecture)
+        strategy = kp.HybridStrategy(kp.Cluster.from_env(), sync=sync == "sync", architecture=architecture)
         scope, batch, chief = strategy.scope, PER_WORKER_BATCH, strategy.is_chief
         gather, offset = kp.all_gather, kp.row_offset
-    with scope():
-        model = Retrieval(gather, offset)
-        model([queries[:2], candidates[:2]])
-        init = np.random.default_rng(21)
-        model.set_weights([init.normal(scale=0.3, size=w.shape).astype(np.float32) for w in model.get_weights()])
-        model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss=model.loss_fn)
-        history = model.fit([queries, candidates], np.zeros((ROWS,), np.float32), batch_size=batch, epochs=2,
-                            shuffle=False, verbose=0)
-        # evaluate sees the whole input on every worker: there the candidates are the batch's, as in one process.
-        evaluated = model.evaluate([queries, candidates], np.zeros((ROWS,), np.float32), batch_size=32, verbose=0)
-    if chief:
-        np.savez(os.path.join(out_dir, "in_batch_negatives.npz"), *model.get_weights(),
-                 np.array(history.history["loss"] + [evaluated]))
+    for name, build in (("subclassed", Retrieval), ("functional", functional)):
+        with scope():
+            model = build(gather)
+            model([queries[:2], candidates[:2]])
+            init = np.random.default_rng(21)
+            model.set_weights([init.normal(scale=0.3, size=w.shape).astype(np.float32) for w in model.get_weights()])
+            model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss=in_batch_loss(offset))
+            history = model.fit([queries, candidates], np.zeros((ROWS,), np.float32), batch_size=batch, epochs=2,
+                                shuffle=False, verbose=0)
+            # evaluate sees the whole input on every worker: the candidates are the batch's, as in one process.
+            evaluated = model.evaluate([queries, candidates], np.zeros((ROWS,), np.float32), batch_size=32,
+                                       verbose=0)
+        if chief:
+            np.savez(os.path.join(out_dir, f"{name}.npz"), *model.get_weights(),
+                     np.array(history.history["loss"] + [evaluated]))
 
 
 if __name__ == "__main__":
