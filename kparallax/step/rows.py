@@ -67,6 +67,8 @@ def _sizes(value, num_workers):
     return collectives.allgather([rows], num_workers, _unique("kp_rows_sizes"))[0]
 
 
+# Called from a user's traced code: kept out of AutoGraph's conversion (plain Python decisions at trace time).
+@tf.autograph.experimental.do_not_convert
 def all_gather(value):
     """``value``'s rows of every worker concatenated (worker 0's first) in kparallax's synchronous training step on
     several workers, with the gradient one process would compute; ``value`` itself everywhere else.
@@ -111,6 +113,7 @@ def all_gather(value):
     return gather(value)
 
 
+@tf.autograph.experimental.do_not_convert
 def row_offset(value):
     """The position of this worker's first row of ``value`` in ``all_gather(value)`` (an int32 scalar tensor): the
     row count of the workers before it in kparallax's synchronous training step on several workers, 0 elsewhere."""
