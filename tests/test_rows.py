@@ -2,7 +2,9 @@
 every candidate of the batch (subclassed, and functional: called on a Keras tensor, a Lambda layer), on 2 workers +
 1 PS with a partial last batch, equals one plain process on the global batch under each architecture; without them
 it does not (measured: 0.11 off, the loss 2.70 against 3.39). Outside kparallax's training step they are the
-identity and 0; an asynchronous step refuses them."""
+identity and 0; an asynchronous step refuses them. A tf.distribute program's gather
+(``tf.distribute.get_replica_context().all_gather``, the default context's identity under kparallax) is refused in
+the training step of several workers."""
 
 import os
 import subprocess
@@ -14,6 +16,7 @@ import tensorflow as tf
 
 import kparallax as kp
 from kparallax import testing
+from kparallax._compat import tf as tf_compat
 
 PROGRAM = os.path.join(os.path.dirname(__file__), "programs", "in_batch_negatives.py")
 
@@ -70,4 +73,29 @@ def test_all_gather_in_an_asynchronous_step_is_refused(tmp_path):
     for name in ("worker-0.log", "worker-1.log"):
         assert ("kp.all_gather / kp.row_offset in an asynchronous training step (sync=False), where the workers do "
                 "not step together is not supported") in run.logs()[name], run.report()
+    assert not os.path.exists(tmp_path / "subclassed.npz")
+
+
+def test_the_default_replica_contexts_all_gather_is_swapped_only_while_active():
+    value = tf.constant([[1.0], [2.0]])
+    calls = []
+    with tf_compat.default_replica_gather(lambda v, axis: calls.append(axis) or v * 10.0):
+        swapped = tf.distribute.get_replica_context().all_gather(value, axis=0)
+    np.testing.assert_array_equal(swapped.numpy(), [[10.0], [20.0]])
+    assert calls == [0]
+    np.testing.assert_array_equal(tf.distribute.get_replica_context().all_gather(value, axis=0).numpy(),
+                                  value.numpy())
+
+
+@pytest.mark.multiprocess
+def test_a_tf_distribute_replica_gather_in_the_training_step_is_refused(tmp_path):
+    run = testing.run_local([sys.executable, PROGRAM, str(tmp_path), "tf-distribute"],
+                            log_dir=str(tmp_path / "logs"), workers=2, ps=1, timeout=240)
+    assert run.returncode != 0, run.report()
+    for name in ("worker-0.log", "worker-1.log"):
+        log = run.logs()[name]
+        assert "tf.distribute.get_replica_context().all_gather in kparallax's training step gathers nothing" in log, (
+            run.report())
+        assert ("Received: all_gather of a value of shape (None, 4) along axis 0 in the training step of a job of 2 "
+                "workers. Gather the rows with kp.all_gather(value)") in log, run.report()
     assert not os.path.exists(tmp_path / "subclassed.npz")

@@ -7,6 +7,7 @@ Versions: TensorFlow 2.15 (seen 2.15.1). Each function names the private API it 
 import contextlib
 
 import tensorflow as tf
+from tensorflow.python.distribute import distribute_lib as _distribute_lib
 from tensorflow.python.distribute import sharded_variable as _sharded
 from tensorflow.python.eager import backprop as _backprop
 from tensorflow.python.eager import context as _context
@@ -168,6 +169,29 @@ def recording_gradients(record):
         yield
     finally:
         _backprop.GradientTape.gradient = original
+
+
+@contextlib.contextmanager
+def default_replica_gather(gather):
+    """While active, ``all_gather`` on a replica context of TensorFlow's default strategy (what
+    ``tf.distribute.get_replica_context()`` returns outside a tf.distribute strategy, and inside Keras' train function,
+    which runs its step through the default strategy's ``run``: one replica, whose gather returns its value) calls
+    ``gather(value, axis)`` instead; other strategies' contexts gather as before. The method is swapped on
+    ``tf.distribute.ReplicaContext`` for the duration; the default strategy is the private
+    ``tensorflow.python.distribute.distribute_lib._get_default_strategy()``."""
+    original = tf.distribute.ReplicaContext.all_gather
+    default = _distribute_lib._get_default_strategy()  # pylint: disable=protected-access
+
+    def all_gather(self, value, axis, options=None):
+        if self.strategy is not default:
+            return original(self, value, axis, options)
+        return gather(value, axis)
+
+    tf.distribute.ReplicaContext.all_gather = all_gather
+    try:
+        yield
+    finally:
+        tf.distribute.ReplicaContext.all_gather = original
 
 
 def captured_from(tensor):

@@ -52,6 +52,7 @@ from kparallax.step import collectives
 from kparallax.step import logs as logs_lib
 from kparallax.step import global_losses
 from kparallax.step import gradient_transforms
+from kparallax.step import rows as rows_lib
 from kparallax.step import scalar_metrics
 from kparallax.step import state_variables
 from kparallax.step import train_step
@@ -361,7 +362,8 @@ def _train_step(original, model, data):
     is a collective). With several workers, its BatchNormalization layers take their statistics over all workers'
     batches (``step/batch_norm.py``) and its losses count every worker's part as one process does
     (``step/global_losses.py``: compiled losses summed over the batch or masked, and, when batches may differ in
-    size, each worker's gradient and logged scalars weighted by its share of the global batch)."""
+    size, each worker's gradient and logged scalars weighted by its share of the global batch); a tf.distribute
+    replica context's ``all_gather``, which would gather nothing, is refused (``step/rows.py``)."""
     state = compiled(model)
     strategy = state.strategy
     iterations = model.optimizer.iterations.read_value()  # before this step's update (program order)
@@ -370,7 +372,8 @@ def _train_step(original, model, data):
     statistics = (batch_norm.global_statistics(strategy.num_workers, strategy.options.sync_batch_norm)
                   if strategy.num_workers > 1 else contextlib.nullcontext())
     with (statistics, global_losses.workers(strategy.num_workers, share), _worker_random_seed(strategy),
-          train_step.model_step(strategy), gradient_transforms.recording(),
+          train_step.model_step(strategy), rows_lib.tf_distribute_gather_refused(strategy),
+          gradient_transforms.recording(),
           scalar_metrics.weighing(model, data, strategy.num_workers, share),
           state_variables.combined(model, strategy.is_ps_variable, strategy.num_workers, share)):
         logs = original(model, data)
@@ -382,7 +385,8 @@ def _async_train_step(original, model, data):
     """Asynchronous training (``sync=False``): the model's own ``train_step`` as it is, marked as the model's
     training step (``train_step.model_step``), in which its compiled optimizer applies gradients (outside one, in a
     job of several workers, it is refused: a custom training loop)."""
-    with train_step.model_step(compiled(model).strategy):
+    strategy = compiled(model).strategy
+    with train_step.model_step(strategy), rows_lib.tf_distribute_gather_refused(strategy):
         return original(model, data)
 
 

@@ -55,11 +55,6 @@ def batch_share(data, num_workers):
     return num_workers * rows / collectives.sum_over_workers(rows, num_workers, name="kp_batch_rows")
 
 
-def in_step():
-    """Whether kparallax's synchronous training step is being traced on this thread (``workers`` is active)."""
-    return getattr(_ACTIVE, "scales", None) is not None
-
-
 def gradient_share():
     """This worker's share of the global batch in the step being traced (a float32 scalar tensor), by which its
     gradients are multiplied before the exchange; None when the workers' batches have the same size."""

@@ -22,11 +22,18 @@ process. The gathered rows are a permutation of one process's batch (each worker
 loss that does not depend on the candidates' order (a softmax over them) equals one process's. Called on a Keras
 tensor (a functional model being built), each returns a ``Lambda`` layer's output, so that the model calls it in
 every step (called directly, it would run once, at construction, and leave the model without it).
+
+A program written for tf.distribute gathers with ``tf.distribute.get_replica_context().all_gather``; under kparallax
+that is TensorFlow's default context (one replica), whose gather returns the worker's own rows: in the training step
+of several workers it is refused (``tf_distribute_gather_refused``) with the fix.
 """
+
+import contextlib
 
 import tensorflow as tf
 from horovod import tensorflow as hvd
 
+from kparallax._compat import tf as tf_compat
 from kparallax.step import collectives
 from kparallax.step import global_losses
 from kparallax.step import train_step
@@ -51,8 +58,6 @@ def _job():
             f"kp.all_gather / kp.row_offset in {where} is not supported: the gathered rows would not be one "
             f"process's batch. Received: a call in the training step of a job of {strategy.num_workers} workers. "
             "Train with sync=True, backward_passes_per_step=1 and run_eagerly=False.")
-    if not global_losses.in_step():
-        return None  # not the training step itself (a validation or predict step traced inside fit)
     return strategy
 
 
@@ -61,10 +66,12 @@ def _unique(name):
     return tf.compat.v1.get_default_graph().unique_name(name, mark_as_used=True)
 
 
-def _sizes(value, num_workers):
-    """Every worker's row count of ``value`` (an int32 vector, worker 0's first)."""
+def _sizes(value, strategy):
+    """Every worker's row count of ``value`` (an int32 vector, worker 0's first), and the position of this worker's
+    first row among the gathered ones (the row count of the workers before it, an int32 scalar)."""
     rows = tf.shape(value, out_type=tf.int32)[:1]
-    return collectives.allgather([rows], num_workers, _unique("kp_rows_sizes"))[0]
+    sizes = collectives.allgather([rows], strategy.num_workers, _unique("kp_rows_sizes"))[0]
+    return sizes, tf.reduce_sum(sizes[:strategy.worker_index])
 
 
 # Called from a user's traced code: kept out of AutoGraph's conversion (plain Python decisions at trace time).
@@ -93,8 +100,7 @@ def all_gather(value):
     if not value.dtype.is_floating:
         return collectives.allgather([value], num_workers, _unique("kp_all_gather"))[0]
     share = global_losses.gradient_share()
-    sizes = _sizes(value, num_workers)
-    start = tf.reduce_sum(sizes[:strategy.worker_index])
+    sizes, start = _sizes(value, strategy)
 
     @tf.custom_gradient
     def gather(local):
@@ -122,4 +128,28 @@ def row_offset(value):
     strategy = _job()
     if strategy is None:
         return tf.constant(0, tf.int32)
-    return tf.reduce_sum(_sizes(value, strategy.num_workers)[:strategy.worker_index])
+    return _sizes(value, strategy)[1]
+
+
+@contextlib.contextmanager
+def tf_distribute_gather_refused(strategy):
+    """While a training step of a job of several workers is traced: ``tf.distribute.get_replica_context().all_gather``
+    (as a program written for tf.distribute gathers its candidates) raises. kparallax does not run the step under a
+    tf.distribute strategy: the replica context there is TensorFlow's default one, a single replica whose gather
+    returns the worker's own rows, and the model would train silently apart from one process."""
+    if strategy.num_workers == 1:
+        yield
+        return
+
+    def refuse(value, axis):
+        shapes = ", ".join(str(getattr(part, "shape", "?")) for part in tf.nest.flatten(value))
+        raise ValueError(
+            "tf.distribute.get_replica_context().all_gather in kparallax's training step gathers nothing: the step "
+            "does not run under a tf.distribute strategy, so the replica context is TensorFlow's default one (one "
+            "replica, replica_id_in_sync_group 0) and the rows would be this worker's alone, apart from one process. "
+            f"Received: all_gather of a value of shape {shapes} along axis {axis} in the training step of a job of "
+            f"{strategy.num_workers} workers. Gather the rows with kp.all_gather(value) and offset this worker's "
+            "labels by kp.row_offset(value).")
+
+    with tf_compat.default_replica_gather(refuse):
+        yield

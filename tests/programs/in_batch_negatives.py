@@ -5,6 +5,8 @@ Usage: in_batch_negatives.py OUT_DIR MODE [SYNC [ARCHITECTURE]]
   MODE=kparallax: under kparallax-run, per-worker batch, the candidates gathered with kp.all_gather and the labels
   offset by kp.row_offset; SYNC ("sync" or "async") sets the strategy's sync option, ARCHITECTURE its architecture
   (default hybrid).
+  MODE=tf-distribute: under kparallax-run, the subclassed model gathering as a program written for tf.distribute
+  does (tf.distribute.get_replica_context().all_gather, labels offset by its replica id): kparallax refuses it.
 The model is built twice, subclassed and functional; writes OUT_DIR/subclassed.npz and OUT_DIR/functional.npz
 (weights, then the epoch losses and the evaluated loss) from worker 0 (or the one process).
 """
@@ -64,6 +66,16 @@ def _identity(value):
     return tf.keras.layers.Lambda(lambda t: t)(value) if tf.keras.backend.is_keras_tensor(value) else value
 
 
+def _replica_gather(value):
+    """A tf.distribute program's gather: every replica's rows of ``value`` along the batch."""
+    return tf.distribute.get_replica_context().all_gather(value, axis=0)
+
+
+def _replica_offset(logits):
+    """A tf.distribute program's label offset: its replica's position times the per-replica batch."""
+    return tf.distribute.get_replica_context().replica_id_in_sync_group * tf.shape(logits)[0]
+
+
 def main(out_dir, mode, sync="sync", architecture="hybrid"):
     rng = np.random.default_rng(89)
     queries = np.minimum(rng.zipf(1.4, size=(ROWS, LEN)) - 1, VOCAB - 1).astype(np.int32)
@@ -75,8 +87,11 @@ def main(out_dir, mode, sync="sync", architecture="hybrid"):
         import kparallax as kp  # pylint: disable=import-outside-toplevel
         strategy = kp.HybridStrategy(kp.Cluster.from_env(), sync=sync == "sync", architecture=architecture)
         scope, batch, chief = strategy.scope, PER_WORKER_BATCH, strategy.is_chief
-        gather, offset = kp.all_gather, kp.row_offset
-    for name, build in (("subclassed", Retrieval), ("functional", functional)):
+        gather, offset = ((_replica_gather, _replica_offset) if mode == "tf-distribute"
+                          else (kp.all_gather, kp.row_offset))
+    models = (("subclassed", Retrieval),) if mode == "tf-distribute" else (
+        ("subclassed", Retrieval), ("functional", functional))
+    for name, build in models:
         with scope():
             model = build(gather)
             model([queries[:2], candidates[:2]])
