@@ -17,6 +17,8 @@ import typing
 
 import tensorflow as tf
 
+from kparallax._compat import tf as tf_compat
+
 
 class LossScales(typing.NamedTuple):
     """What ``scale_compiled_losses`` scales by in one traced step.
@@ -55,13 +57,17 @@ class _ScaledLoss:
         return getattr(self._loss, name)
 
     def __call__(self, y_true, y_pred, sample_weight=None):
+        with _own_average_loss():
+            return self._scaled(y_true, y_pred, sample_weight)
+
+    def _scaled(self, y_true, y_pred, sample_weight):
         value = self._loss(y_true, y_pred, sample_weight=sample_weight)
         scales = self._scales()
         if scales is None or scales.workers == 1:
             return value
         _, sums = _batch_scalar_sums(self._loss.call, y_true, y_pred)
         if sums is not None:  # a mean needs nothing more than an averaged loss does; a sum what reduction "sum" does
-            summed = _over_share(tf.cast(scales.workers, value.dtype), scales)
+            summed = summed_factor(scales, value.dtype)
             return value * tf.where(sums, summed, tf.ones([], value.dtype))
         if self._loss.reduction in _SUMMED:
             factor = tf.cast(scales.workers, value.dtype)
@@ -77,9 +83,22 @@ class _ScaledLoss:
         return value * factor
 
 
+def _own_average_loss():
+    """TensorFlow's own ``tf.nn.compute_average_loss`` while a compiled loss or metric function runs: these scale a
+    scalar summed over the batch themselves (``_batch_scalar_sums``), which the step's (``global_losses``) would
+    scale again."""
+    return tf_compat.average_loss_replaced(lambda own: own)
+
+
 def _share(scales, dtype):
     """This worker's share of the global batch (``rows_share``; 1 when every worker's batch has the same rows)."""
     return tf.ones([], dtype) if scales.rows_share is None else tf.cast(scales.rows_share, dtype)
+
+
+def summed_factor(scales, dtype):
+    """The factor of a loss summed over the worker's rows (reduction ``SUM``): ``workers``, over this worker's share
+    of the global batch when batches differ in size, so that the workers' average gradient is one process's sum."""
+    return _over_share(tf.cast(scales.workers, dtype), scales)
 
 
 def _over_share(factor, scales):
@@ -219,6 +238,10 @@ def _weigh_batch_scalars(metric, scales):
     update = metric.update_state
 
     def update_state(y_true, y_pred, sample_weight=None):
+        with _own_average_loss():
+            return weighed_update(y_true, y_pred, sample_weight)
+
+    def weighed_update(y_true, y_pred, sample_weight):
         current = scales()
         value = sums = None
         if current is not None and current.workers > 1 and sample_weight is None:

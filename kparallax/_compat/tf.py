@@ -18,6 +18,7 @@ from tensorflow.python.ops import gen_resource_variable_ops as _gen_rv
 from tensorflow.python.ops import handle_data_util as _handle_data_util
 from tensorflow.python.ops import resource_variable_ops as _rv
 
+_TF_COMPUTE_AVERAGE_LOSS = tf.nn.compute_average_loss  # before any swap (average_loss_replaced)
 ShardedVariable = _sharded.ShardedVariable  # TF's container of row shards; Keras lists the shards as weights
 
 
@@ -192,6 +193,23 @@ def default_replica_gather(gather):
         yield
     finally:
         tf.distribute.ReplicaContext.all_gather = original
+
+
+@contextlib.contextmanager
+def average_loss_replaced(wrap):
+    """While active, ``tf.nn.compute_average_loss`` (one function, in ``tf.nn`` and ``tf.compat.v2.nn``) is
+    ``wrap(tensorflow's own)``, for code that looks it up when it calls it (a name bound to it earlier keeps
+    TensorFlow's); nested, the inner one holds until it ends (``wrap=lambda own: own`` restores TensorFlow's)."""
+    previous = tf.nn.compute_average_loss
+    replacement = wrap(_TF_COMPUTE_AVERAGE_LOSS)
+    modules = (tf.nn, tf.compat.v2.nn)
+    for module in modules:
+        module.compute_average_loss = replacement
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.compute_average_loss = previous
 
 
 def captured_from(tensor):

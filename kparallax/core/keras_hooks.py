@@ -371,7 +371,8 @@ def _train_step(original, model, data):
              if state.uneven_batches and strategy.num_workers > 1 else None)
     statistics = (batch_norm.global_statistics(strategy.num_workers, strategy.options.sync_batch_norm)
                   if strategy.num_workers > 1 else contextlib.nullcontext())
-    with (statistics, global_losses.workers(strategy.num_workers, share), _worker_random_seed(strategy),
+    with (statistics, global_losses.workers(strategy.num_workers, share, strategy.options.backward_passes_per_step),
+          _worker_random_seed(strategy),
           train_step.model_step(strategy), rows_lib.tf_distribute_gather_refused(strategy),
           gradient_transforms.recording(),
           scalar_metrics.weighing(model, data, strategy.num_workers, share),

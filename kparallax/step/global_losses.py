@@ -28,6 +28,9 @@ A loss or metric function of a user's own that returns one scalar for the batch 
 it (its value on the batch repeated twice doubles or stays, ``_compat.keras_losses._batch_scalar_sums``): a summed loss is
 scaled as ``reduction="sum"`` is, and such a metric's mean is updated so that its states summed over the workers are
 one process's (``_compat.keras_losses.weigh_compiled_metrics``).
+
+``tf.nn.compute_average_loss`` (a ``train_step`` written for tf.distribute) with a ``global_batch_size`` divides the
+worker's sum by it where one process divides the whole batch's: it is scaled as a summed loss (``_average_loss``).
 """
 
 import contextlib
@@ -36,6 +39,7 @@ import threading
 import tensorflow as tf
 
 from kparallax._compat import keras_losses
+from kparallax._compat import tf as tf_compat
 from kparallax.step import collectives
 
 _ACTIVE = threading.local()
@@ -77,16 +81,45 @@ def weighted(grads_and_vars, share):
     return out
 
 
+def _average_loss(scales, micro_batches):
+    """A wrapper of ``tf.nn.compute_average_loss`` for the training step of several workers. Without
+    ``global_batch_size`` it is the worker's mean (the step's replica context is TensorFlow's default, one replica),
+    which the step averages as one process's mean. With one, the worker's sum divided by it, where one process
+    divides the whole global batch's sum: multiplied as a summed loss is (``keras_losses.summed_factor``). Under
+    ``micro_batches`` > 1 refused (not built)."""
+    def wrap(original):
+        def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size=None):
+            value = original(per_example_loss, sample_weight=sample_weight, global_batch_size=global_batch_size)
+            if global_batch_size is None:
+                return value
+            if micro_batches > 1:
+                raise ValueError(
+                    "tf.nn.compute_average_loss with global_batch_size in a step accumulating "
+                    f"backward_passes_per_step={micro_batches} micro-batches is not supported: its sum would not be "
+                    f"scaled as one process's. Received: global_batch_size={global_batch_size!r} in a job of "
+                    f"{scales.workers} workers. Omit global_batch_size (each worker's mean, averaged as one "
+                    "process's) or train with backward_passes_per_step=1.")
+            return value * keras_losses.summed_factor(scales, value.dtype)
+        return compute_average_loss
+    return wrap
+
+
 @contextlib.contextmanager
-def workers(num_workers, rows_share=None):
+def workers(num_workers, rows_share=None, micro_batches=1):
     """While one training step is traced: summed compiled losses count ``num_workers`` workers, masked ones weight
     this worker's part by its valid count, and with ``rows_share`` (from ``batch_share``, when batches may differ in
-    size) the worker's gradients are weighted by its share of the global batch (``gradient_share``)."""
+    size) the worker's gradients are weighted by its share of the global batch (``gradient_share``). On several
+    workers ``tf.nn.compute_average_loss`` with a ``global_batch_size`` (a tf.distribute program's loss) is scaled
+    as a summed loss (``_average_loss``); ``micro_batches``: the step's backward_passes_per_step."""
     previous = getattr(_ACTIVE, "scales", None)
-    _ACTIVE.scales = keras_losses.LossScales(
+    scales = keras_losses.LossScales(
         num_workers, rows_share,
         lambda count: collectives.sum_over_workers(count, num_workers, name="kp_valid_count"))
+    _ACTIVE.scales = scales
+    averaged = (tf_compat.average_loss_replaced(_average_loss(scales, micro_batches)) if num_workers > 1
+                else contextlib.nullcontext())
     try:
-        yield
+        with averaged:
+            yield
     finally:
         _ACTIVE.scales = previous

@@ -928,6 +928,56 @@ def own_loss_partial_batch(scope, batch):
     return model
 
 
+GLOBAL_BATCH = 32  # tf.distribute's global batch size: one process's batch (2 workers x 16)
+
+
+class AverageLossStep(tf.keras.Model):
+    """A train_step written as tf.distribute's guides write one: the per-example losses averaged over the global
+    batch size by tf.nn.compute_average_loss (a partial last batch's sum is divided by GLOBAL_BATCH too, in one
+    process as well), the regularization losses by tf.nn.scale_regularization_loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = tf.keras.layers.Embedding(VOCAB, EMB)
+        self.pool = tf.keras.layers.GlobalAveragePooling1D()
+        self.hidden = tf.keras.layers.Dense(4, activation="relu", kernel_regularizer=tf.keras.regularizers.l2(0.01))
+        self.out = tf.keras.layers.Dense(1)
+
+    def call(self, ids):
+        return self.out(self.hidden(self.pool(self.table(ids))))
+
+    def train_step(self, data):
+        ids, y = data
+        with tf.GradientTape() as tape:
+            per_example = tf.reduce_mean(tf.square(self(ids, training=True) - y), axis=1)
+            loss = (tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+                    + tf.nn.scale_regularization_loss(tf.add_n(self.losses)))
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, self.trainable_variables), self.trainable_variables))
+        return {"loss": loss}
+
+
+def tf_distribute_average_loss(scope, batch):
+    """AverageLossStep on a dataset with a partial last batch (16 + 6 rows on the workers in the last step, 22 in one
+    process); each epoch's logged loss (its last batch's) is kept."""
+    model, history = _fit_on_partial_batches(scope, batch, 43, AverageLossStep, 0.1)
+    model.logged = [np.array(history.history["loss"])]
+    return model
+
+
+def _global_average_squares(y_true, y_pred):
+    """A user's loss function averaging over tf.distribute's global batch size: one scalar, a sum over the batch."""
+    return tf.nn.compute_average_loss(tf.reduce_mean(tf.square(y_pred - y_true), axis=1),
+                                      global_batch_size=GLOBAL_BATCH)
+
+
+def compiled_average_loss(scope, batch):
+    """_global_average_squares as the compiled loss, on a dataset with a partial last batch; the epochs' logged losses
+    are kept."""
+    model, history = _fit_on_partial_batches(scope, batch, 47, _pooled_regressor, 0.1, loss=_global_average_squares)
+    model.logged = [np.array(history.history["loss"])]
+    return model
+
+
 class CriticAndModel(tf.keras.Model):
     """A custom train_step with two optimizers, as a GAN's: a critic (Dense) trained first by its own optimizer, then
     the model (a table and a head) by the compiled one on a loss through the updated critic."""
@@ -1658,7 +1708,8 @@ PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, mixed
                                     tf_data_known_cardinality, backup_and_restore_resume, partial_last_batch,
                                     self_sharded_dataset, partial_last_batch_arrays, odd_batch_count_dataset,
                                     padded_sequences,
-                                    masked_sequence_losses, own_loss_partial_batch, weighted_metrics_sample_weights,
+                                    masked_sequence_losses, own_loss_partial_batch, tf_distribute_average_loss,
+                                    compiled_average_loss, weighted_metrics_sample_weights,
                                     gru_conv1d_evaluate, seq2seq_gru, validation_summed_loss, learning_rate_callbacks,
                                     stop_on_one_worker, layer_running_statistics, stateful_lstm,
                                     run_eagerly_dense, two_optimizers,
