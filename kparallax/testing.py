@@ -54,6 +54,21 @@ def run_local(command, log_dir, workers=2, ps=1, timeout=240.0, env=None, launch
         return RunResult(-1, f"kparallax-run itself did not exit within {timeout + 60:.0f}s\n{out}", log_dir)
 
 
+def reference_and_job(program, tmp_path, job_args=(), workers=2, ps=1, timeout=240.0):
+    """Runs ``program OUT reference`` in one plain process (asserting it succeeds), then ``program OUT kparallax
+    *job_args`` under ``run_local``; returns (the reference's OUT, the job's OUT, the job's RunResult). Each OUT is a
+    new directory under ``tmp_path``."""
+    ref, got = os.path.join(tmp_path, "reference"), os.path.join(tmp_path, "kparallax")
+    os.makedirs(ref)
+    os.makedirs(got)
+    done = subprocess.run([sys.executable, program, ref, "reference"], capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = run_local([sys.executable, program, got, "kparallax", *job_args], log_dir=os.path.join(tmp_path, "logs"),
+                    workers=workers, ps=ps, timeout=timeout)
+    return ref, got, run
+
+
 def pid_of_task(log_dir, task_type, task_index=0):
     """PID of the live task ``task_type task_index`` of the run logging to ``log_dir`` (None if not found)."""
     wanted = {f"KPARALLAX_LOG_DIR={log_dir}".encode(), f"KPARALLAX_TASK_TYPE={task_type}".encode(),

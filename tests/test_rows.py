@@ -7,7 +7,6 @@ identity and 0; an asynchronous step refuses them. A tf.distribute program's gat
 the training step of several workers."""
 
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -45,21 +44,14 @@ def test_on_a_keras_tensor_they_are_layers_of_the_functional_model():
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("architecture", ["hybrid", "ps", "allreduce"])
 def test_in_batch_negatives_gathered_over_the_workers_match_one_plain_process(tmp_path, architecture):
-    ref, got = tmp_path / "reference", tmp_path / "kparallax"
-    ref.mkdir()
-    got.mkdir()
-    done = subprocess.run([sys.executable, PROGRAM, str(ref), "reference"], capture_output=True, text=True,
-                          timeout=120, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    run = testing.run_local([sys.executable, PROGRAM, str(got), "kparallax", "sync", architecture],
-                            log_dir=str(tmp_path / "logs"), workers=2, ps=1, timeout=240)
+    ref, got, run = testing.reference_and_job(PROGRAM, tmp_path, ["sync", architecture])
     assert run.returncode == 0, run.report()
     # The shared table is on the PS (replicated under allreduce): the candidates' gradients reach it through the
     # gather's.
     where = "replicated" if architecture == "allreduce" else "ps[0]"
     assert f"placement: retrieval/embedding/embeddings [120, 6] -> {where}" in run.logs()["worker-0.log"]
     for name in ("subclassed", "functional"):
-        a, b = np.load(ref / f"{name}.npz"), np.load(got / f"{name}.npz")
+        a, b = np.load(os.path.join(ref, f"{name}.npz")), np.load(os.path.join(got, f"{name}.npz"))
         assert a.files == b.files, name
         for key in a.files:  # weights, then both epochs' losses and the evaluated loss
             np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-6, err_msg=f"{name}: {key}")

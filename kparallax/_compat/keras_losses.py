@@ -25,11 +25,13 @@ class LossScales(typing.NamedTuple):
 
     ``workers``: the worker count. ``rows_share``: this worker's rows over the mean rows per worker (a float32
     scalar tensor), or None when every worker's batch has the same rows. ``over_workers``: a function giving the sum
-    of a float32 scalar over the workers (a collective), for the valid counts of masked losses.
+    of a float32 scalar over the workers (a collective), for the valid counts of masked losses. ``micro_batches``:
+    the micro-batches accumulated per update (``backward_passes_per_step``), whose gradients the step averages.
     """
     workers: int
     rows_share: object
     over_workers: typing.Callable
+    micro_batches: int = 1
 
 
 _SUMMED = (tf.keras.losses.Reduction.SUM, tf.keras.losses.Reduction.NONE)
@@ -63,18 +65,27 @@ class _ScaledLoss:
     def _scaled(self, y_true, y_pred, sample_weight):
         value = self._loss(y_true, y_pred, sample_weight=sample_weight)
         scales = self._scales()
-        if scales is None or scales.workers == 1:
+        if scales is None or scales.workers * scales.micro_batches == 1:
             return value
         _, sums = _batch_scalar_sums(self._loss.call, y_true, y_pred)
         if sums is not None:  # a mean needs nothing more than an averaged loss does; a sum what reduction "sum" does
             summed = summed_factor(scales, value.dtype)
             return value * tf.where(sums, summed, tf.ones([], value.dtype))
         if self._loss.reduction in _SUMMED:
-            factor = tf.cast(scales.workers, value.dtype)
+            factor = tf.cast(scales.workers * scales.micro_batches, value.dtype)
         else:
             valid = _valid_count(self._loss, y_true, y_pred)
             if valid is None:
                 return value
+            if scales.micro_batches > 1:
+                raise ValueError(
+                    f"A masked loss ({self._loss.name}) under backward_passes_per_step={scales.micro_batches} is not "
+                    "supported: Keras divides each micro-batch's loss by its own count of valid elements, one process "
+                    "by the count of the whole batch, which is known only after the last micro-batch, so the "
+                    "accumulated gradient would differ from one process's. Received: "
+                    f"a loss averaged under a mask (mask_zero or ignore_class) in a step accumulating "
+                    f"{scales.micro_batches} micro-batches. Train with backward_passes_per_step=1 (a larger batch "
+                    "per worker), or sum the loss (reduction=\"sum\") and divide by a constant.")
             valid = tf.cast(valid, tf.float32)
             factor = tf.cast(scales.workers * valid / scales.over_workers(valid), value.dtype)
         factor = _over_share(factor, scales)
@@ -96,9 +107,10 @@ def _share(scales, dtype):
 
 
 def summed_factor(scales, dtype):
-    """The factor of a loss summed over the worker's rows (reduction ``SUM``): ``workers``, over this worker's share
-    of the global batch when batches differ in size, so that the workers' average gradient is one process's sum."""
-    return _over_share(tf.cast(scales.workers, dtype), scales)
+    """The factor of a loss summed over the worker's rows (reduction ``SUM``): ``workers * micro_batches``, over this
+    worker's share of the global batch when batches differ in size, so that the average gradient over the workers
+    and micro-batches is one process's sum."""
+    return _over_share(tf.cast(scales.workers * scales.micro_batches, dtype), scales)
 
 
 def _over_share(factor, scales):

@@ -9,7 +9,7 @@ traced (``workers``):
   ``"sum"``, logs) the sum over its whole batch, each worker sums over its own part, and the average would divide
   that term by the worker count. Such a compiled loss is multiplied by the worker count (value and gradient; for
   ``"none"``, whose logged value is a mean of per-example values, the gradient only), as tf.distribute's Keras does
-  in its own way.
+  in its own way, and by ``backward_passes_per_step``, whose micro-batches' gradients the step averages too.
 * Batches that may differ in size (a dataset's last, partial batch; ``train_on_batch`` with each worker's own
   batch): one process weights every example alike, the plain average would weight each worker's mean alike. Each
   worker's whole gradient is multiplied by its share of the global batch, ``num_workers * rows / rows over all
@@ -22,7 +22,8 @@ traced (``workers``):
 * Losses averaged under a mask (a ``mask_zero`` sequence, a sparse cross-entropy's ``ignore_class``): Keras divides
   by the count of valid elements, which differs from worker to worker even when the batches do not. The gradient
   is multiplied by ``num_workers * valid / valid over all workers`` (one scalar allreduce per such loss and step),
-  and the logged value so that Keras' rows-weighted mean is the global batch's.
+  and the logged value so that Keras' rows-weighted mean is the global batch's. Under ``backward_passes_per_step >
+  1`` refused: one process divides by the whole update's count, known only after its last micro-batch.
 
 A loss or metric function of a user's own that returns one scalar for the batch is told to be a sum or a mean over
 it (its value on the batch repeated twice doubles or stays, ``_compat.keras_losses._batch_scalar_sums``): a summed loss is
@@ -81,24 +82,16 @@ def weighted(grads_and_vars, share):
     return out
 
 
-def _average_loss(scales, micro_batches):
-    """A wrapper of ``tf.nn.compute_average_loss`` for the training step of several workers. Without
+def _average_loss(scales):
+    """A wrapper of ``tf.nn.compute_average_loss`` for a training step of several workers or micro-batches. Without
     ``global_batch_size`` it is the worker's mean (the step's replica context is TensorFlow's default, one replica),
-    which the step averages as one process's mean. With one, the worker's sum divided by it, where one process
-    divides the whole global batch's sum: multiplied as a summed loss is (``keras_losses.summed_factor``). Under
-    ``micro_batches`` > 1 refused (not built)."""
+    which the step averages as one process's mean. With one, the micro-batch's sum divided by it, where one process
+    divides the whole global batch's sum: multiplied as a summed loss is (``keras_losses.summed_factor``)."""
     def wrap(original):
         def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size=None):
             value = original(per_example_loss, sample_weight=sample_weight, global_batch_size=global_batch_size)
             if global_batch_size is None:
                 return value
-            if micro_batches > 1:
-                raise ValueError(
-                    "tf.nn.compute_average_loss with global_batch_size in a step accumulating "
-                    f"backward_passes_per_step={micro_batches} micro-batches is not supported: its sum would not be "
-                    f"scaled as one process's. Received: global_batch_size={global_batch_size!r} in a job of "
-                    f"{scales.workers} workers. Omit global_batch_size (each worker's mean, averaged as one "
-                    "process's) or train with backward_passes_per_step=1.")
             return value * keras_losses.summed_factor(scales, value.dtype)
         return compute_average_loss
     return wrap
@@ -108,15 +101,16 @@ def _average_loss(scales, micro_batches):
 def workers(num_workers, rows_share=None, micro_batches=1):
     """While one training step is traced: summed compiled losses count ``num_workers`` workers, masked ones weight
     this worker's part by its valid count, and with ``rows_share`` (from ``batch_share``, when batches may differ in
-    size) the worker's gradients are weighted by its share of the global batch (``gradient_share``). On several
-    workers ``tf.nn.compute_average_loss`` with a ``global_batch_size`` (a tf.distribute program's loss) is scaled
-    as a summed loss (``_average_loss``); ``micro_batches``: the step's backward_passes_per_step."""
+    size) the worker's gradients are weighted by its share of the global batch (``gradient_share``).
+    ``micro_batches``: the step's backward_passes_per_step (summed losses count them too; masked ones are refused
+    under more than one). With several workers or micro-batches ``tf.nn.compute_average_loss`` with a
+    ``global_batch_size`` (a tf.distribute program's loss) is scaled as a summed loss (``_average_loss``)."""
     previous = getattr(_ACTIVE, "scales", None)
     scales = keras_losses.LossScales(
         num_workers, rows_share,
-        lambda count: collectives.sum_over_workers(count, num_workers, name="kp_valid_count"))
+        lambda count: collectives.sum_over_workers(count, num_workers, name="kp_valid_count"), micro_batches)
     _ACTIVE.scales = scales
-    averaged = (tf_compat.average_loss_replaced(_average_loss(scales, micro_batches)) if num_workers > 1
+    averaged = (tf_compat.average_loss_replaced(_average_loss(scales)) if num_workers * micro_batches > 1
                 else contextlib.nullcontext())
     try:
         with averaged:
