@@ -54,18 +54,18 @@ def run_local(command, log_dir, workers=2, ps=1, timeout=240.0, env=None, launch
         return RunResult(-1, f"kparallax-run itself did not exit within {timeout + 60:.0f}s\n{out}", log_dir)
 
 
-def reference_and_job(program, tmp_path, job_args=(), workers=2, ps=1, timeout=240.0):
-    """Runs ``program OUT reference`` in one plain process (asserting it succeeds), then ``program OUT kparallax
-    *job_args`` under ``run_local``; returns (the reference's OUT, the job's OUT, the job's RunResult). Each OUT is a
-    new directory under ``tmp_path``."""
+def reference_and_job(program, tmp_path, job_args=(), workers=2, ps=1, timeout=240.0, args=()):
+    """Runs ``program OUT reference *args`` in one plain process (asserting it succeeds), then ``program OUT kparallax
+    *args *job_args`` under ``run_local``, each under ``timeout`` seconds; returns (the reference's OUT, the job's OUT,
+    the job's RunResult). Each OUT is a new directory under ``tmp_path``."""
     ref, got = os.path.join(tmp_path, "reference"), os.path.join(tmp_path, "kparallax")
     os.makedirs(ref)
     os.makedirs(got)
-    done = subprocess.run([sys.executable, program, ref, "reference"], capture_output=True, text=True, timeout=120,
-                          check=False)
+    done = subprocess.run([sys.executable, program, ref, "reference", *args], capture_output=True, text=True,
+                          timeout=timeout, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    run = run_local([sys.executable, program, got, "kparallax", *job_args], log_dir=os.path.join(tmp_path, "logs"),
-                    workers=workers, ps=ps, timeout=timeout)
+    run = run_local([sys.executable, program, got, "kparallax", *args, *job_args],
+                    log_dir=os.path.join(tmp_path, "logs"), workers=workers, ps=ps, timeout=timeout)
     return ref, got, run
 
 

@@ -11,8 +11,6 @@ class_weight, EarlyStopping restoring the best weights beside ModelCheckpoint(sa
 the global batch (issue 14)."""
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -27,15 +25,8 @@ SHARDS = 3  # each part runs in its own job under its own timeout (all 58 progra
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("index", range(SHARDS), ids=lambda i: f"part{i + 1}of{SHARDS}")
 def test_keras_programs_match_one_plain_process(tmp_path, index):
-    part = f"{index}/{SHARDS}"
-    ref, got = tmp_path / "reference", tmp_path / "kparallax"
-    ref.mkdir()
-    got.mkdir()
-    done = subprocess.run([sys.executable, os.path.join(PROGRAMS, "train_keras_programs.py"), str(ref), "reference",
-                           part], capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "train_keras_programs.py"), str(got),
-                             "kparallax", part], log_dir=str(tmp_path / "logs"), workers=2, ps=1, timeout=300)
+    ref, got, run = testing.reference_and_job(os.path.join(PROGRAMS, "train_keras_programs.py"), tmp_path,
+                                              timeout=300, args=[f"{index}/{SHARDS}"])
     assert run.returncode == 0, run.report()
     names = keras_programs.shard(index, SHARDS)
     if "own_embedding_layer" in names:
@@ -49,7 +40,7 @@ def test_keras_programs_match_one_plain_process(tmp_path, index):
         assert "Metric 'mean_output' is updated with one value per batch" in run.logs()["worker-0.log"]
     assert names, index
     for name in names:
-        a, b = np.load(ref / f"{name}.npz"), np.load(got / f"{name}.npz")
+        a, b = np.load(os.path.join(ref, f"{name}.npz")), np.load(os.path.join(got, f"{name}.npz"))
         assert a.files == b.files, name
         for key in a.files:
             if a[key].dtype.kind == "U":  # a lookup layer's vocabulary

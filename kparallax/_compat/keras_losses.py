@@ -72,7 +72,7 @@ class _ScaledLoss:
             summed = summed_factor(scales, value.dtype)
             return value * tf.where(sums, summed, tf.ones([], value.dtype))
         if self._loss.reduction in _SUMMED:
-            factor = tf.cast(scales.workers * scales.micro_batches, value.dtype)
+            factor = summed_factor(scales, value.dtype)
         else:
             valid = _valid_count(self._loss, y_true, y_pred)
             if valid is None:
@@ -87,8 +87,7 @@ class _ScaledLoss:
                     f"{scales.micro_batches} micro-batches. Train with backward_passes_per_step=1 (a larger batch "
                     "per worker), or sum the loss (reduction=\"sum\") and divide by a constant.")
             valid = tf.cast(valid, tf.float32)
-            factor = tf.cast(scales.workers * valid / scales.over_workers(valid), value.dtype)
-        factor = _over_share(factor, scales)
+            factor = _over_share(tf.cast(scales.workers * valid / scales.over_workers(valid), value.dtype), scales)
         if self._loss.reduction == tf.keras.losses.Reduction.NONE:
             return _scaled(value, 1.0, factor)
         return value * factor

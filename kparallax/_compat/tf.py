@@ -153,6 +153,19 @@ def enter_graph(graph):
 
 
 @contextlib.contextmanager
+def _swapped(owners, name, value):
+    """While active, attribute ``name`` of every object in ``owners`` (classes or modules) is ``value``; then each is
+    restored to what it was when the context began."""
+    previous = [getattr(owner, name) for owner in owners]
+    for owner in owners:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for owner, old in zip(owners, previous):
+            setattr(owner, name, old)
+
+
 def recording_gradients(record):
     """While active, every ``tf.GradientTape.gradient`` call in this process hands ``record(sources, gradients)``
     what it returns (then returns it). The public method is swapped on TensorFlow's class
@@ -165,14 +178,9 @@ def recording_gradients(record):
         record(sources, result)
         return result
 
-    _backprop.GradientTape.gradient = gradient
-    try:
-        yield
-    finally:
-        _backprop.GradientTape.gradient = original
+    return _swapped([_backprop.GradientTape], "gradient", gradient)
 
 
-@contextlib.contextmanager
 def default_replica_gather(gather):
     """While active, ``all_gather`` on a replica context of TensorFlow's default strategy (what
     ``tf.distribute.get_replica_context()`` returns outside a tf.distribute strategy, and inside Keras' train function,
@@ -188,28 +196,14 @@ def default_replica_gather(gather):
             return original(self, value, axis, options)
         return gather(value, axis)
 
-    tf.distribute.ReplicaContext.all_gather = all_gather
-    try:
-        yield
-    finally:
-        tf.distribute.ReplicaContext.all_gather = original
+    return _swapped([tf.distribute.ReplicaContext], "all_gather", all_gather)
 
 
-@contextlib.contextmanager
 def average_loss_replaced(wrap):
     """While active, ``tf.nn.compute_average_loss`` (one function, in ``tf.nn`` and ``tf.compat.v2.nn``) is
     ``wrap(tensorflow's own)``, for code that looks it up when it calls it (a name bound to it earlier keeps
     TensorFlow's); nested, the inner one holds until it ends (``wrap=lambda own: own`` restores TensorFlow's)."""
-    previous = tf.nn.compute_average_loss
-    replacement = wrap(_TF_COMPUTE_AVERAGE_LOSS)
-    modules = (tf.nn, tf.compat.v2.nn)
-    for module in modules:
-        module.compute_average_loss = replacement
-    try:
-        yield
-    finally:
-        for module in modules:
-            module.compute_average_loss = previous
+    return _swapped([tf.nn, tf.compat.v2.nn], "compute_average_loss", wrap(_TF_COMPUTE_AVERAGE_LOSS))
 
 
 def captured_from(tensor):
