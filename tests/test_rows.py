@@ -15,7 +15,6 @@ import tensorflow as tf
 
 import kparallax as kp
 from kparallax import testing
-from kparallax._compat import tf as tf_compat
 
 PROGRAM = os.path.join(os.path.dirname(__file__), "programs", "in_batch_negatives.py")
 
@@ -66,17 +65,6 @@ def test_all_gather_in_an_asynchronous_step_is_refused(tmp_path):
         assert ("kp.all_gather / kp.row_offset in an asynchronous training step (sync=False), where the workers do "
                 "not step together is not supported") in run.logs()[name], run.report()
     assert not os.path.exists(tmp_path / "subclassed.npz")
-
-
-def test_the_default_replica_contexts_all_gather_is_swapped_only_while_active():
-    value = tf.constant([[1.0], [2.0]])
-    calls = []
-    with tf_compat.default_replica_gather(lambda v, axis: calls.append(axis) or v * 10.0):
-        swapped = tf.distribute.get_replica_context().all_gather(value, axis=0)
-    np.testing.assert_array_equal(swapped.numpy(), [[10.0], [20.0]])
-    assert calls == [0]
-    np.testing.assert_array_equal(tf.distribute.get_replica_context().all_gather(value, axis=0).numpy(),
-                                  value.numpy())
 
 
 @pytest.mark.multiprocess

@@ -5,6 +5,7 @@ Versions: TensorFlow 2.15 (seen 2.15.1). Each function names the private API it 
 """
 
 import contextlib
+import sys
 
 import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib as _distribute_lib
@@ -197,6 +198,40 @@ def default_replica_gather(gather):
         return gather(value, axis)
 
     return _swapped([tf.distribute.ReplicaContext], "all_gather", all_gather)
+
+
+# Packages whose calls of a replica context's collectives are their own business: Keras' optimizers aggregate
+# gradients with all_reduce and its synchronized BatchNormalization sums statistics with it (kparallax handles both
+# itself). ``tf_keras``: Keras 2 under TensorFlow 2.16-2.18.
+_LIBRARY_PACKAGES = ("tensorflow", "keras", "tf_keras", "horovod", "kparallax")
+
+
+def _caller_is_library():
+    """Whether the function that called the caller of this function is in one of ``_LIBRARY_PACKAGES``, past
+    TensorFlow's autograph frames (a ``tf.function`` traced with autograph calls the callees of converted code through
+    ``tensorflow.python.autograph``; converted code keeps its module's globals)."""
+    frame = sys._getframe(2)  # pylint: disable=protected-access
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("tensorflow.python.autograph"):
+        frame = frame.f_back
+    module = (frame.f_globals.get("__name__") if frame is not None else None) or ""
+    return module.split(".")[0] in _LIBRARY_PACKAGES
+
+
+def default_replica_reduce(reduce):
+    """While active, ``all_reduce`` on a replica context of TensorFlow's default strategy (one replica, whose reduce
+    returns its value), called by code outside TensorFlow, Keras, Horovod and kparallax (a user's ``train_step``, a
+    library written for tf.distribute), calls ``reduce(reduce_op, value)`` instead; Keras' own calls (its optimizers'
+    gradient aggregation, synchronized BatchNormalization) and other strategies' contexts reduce as before. Swapped on
+    ``tf.distribute.ReplicaContext`` for the duration, as ``default_replica_gather``."""
+    original = tf.distribute.ReplicaContext.all_reduce
+    default = _distribute_lib._get_default_strategy()  # pylint: disable=protected-access
+
+    def all_reduce(self, reduce_op, value, options=None):
+        if self.strategy is not default or _caller_is_library():
+            return original(self, reduce_op, value, options)
+        return reduce(reduce_op, value)
+
+    return _swapped([tf.distribute.ReplicaContext], "all_reduce", all_reduce)
 
 
 def average_loss_replaced(wrap):

@@ -52,7 +52,7 @@ from kparallax.step import collectives
 from kparallax.step import logs as logs_lib
 from kparallax.step import global_losses
 from kparallax.step import gradient_transforms
-from kparallax.step import rows as rows_lib
+from kparallax.step import replica_context
 from kparallax.step import scalar_metrics
 from kparallax.step import state_variables
 from kparallax.step import train_step
@@ -363,7 +363,8 @@ def _train_step(original, model, data):
     batches (``step/batch_norm.py``) and its losses count every worker's part as one process does
     (``step/global_losses.py``: compiled losses summed over the batch or masked, and, when batches may differ in
     size, each worker's gradient and logged scalars weighted by its share of the global batch); a tf.distribute
-    replica context's ``all_gather``, which would gather nothing, is refused (``step/rows.py``)."""
+    replica context's ``all_gather`` and a user's ``all_reduce``, which would gather and reduce nothing, are refused
+    (``step/replica_context.py``)."""
     state = compiled(model)
     strategy = state.strategy
     iterations = model.optimizer.iterations.read_value()  # before this step's update (program order)
@@ -373,7 +374,7 @@ def _train_step(original, model, data):
                   if strategy.num_workers > 1 else contextlib.nullcontext())
     with (statistics, global_losses.workers(strategy.num_workers, share, strategy.options.backward_passes_per_step),
           _worker_random_seed(strategy),
-          train_step.model_step(strategy), rows_lib.tf_distribute_gather_refused(strategy),
+          train_step.model_step(strategy), replica_context.refused(strategy),
           gradient_transforms.recording(),
           scalar_metrics.weighing(model, data, strategy.num_workers, share),
           state_variables.combined(model, strategy.is_ps_variable, strategy.num_workers, share)):
@@ -387,7 +388,7 @@ def _async_train_step(original, model, data):
     training step (``train_step.model_step``), in which its compiled optimizer applies gradients (outside one, in a
     job of several workers, it is refused: a custom training loop)."""
     strategy = compiled(model).strategy
-    with train_step.model_step(strategy), rows_lib.tf_distribute_gather_refused(strategy):
+    with train_step.model_step(strategy), replica_context.refused(strategy):
         return original(model, data)
 
 

@@ -25,15 +25,12 @@ every step (called directly, it would run once, at construction, and leave the m
 
 A program written for tf.distribute gathers with ``tf.distribute.get_replica_context().all_gather``; under kparallax
 that is TensorFlow's default context (one replica), whose gather returns the worker's own rows: in the training step
-of several workers it is refused (``tf_distribute_gather_refused``) with the fix.
+of several workers it is refused with the fix (``step/replica_context.py``).
 """
-
-import contextlib
 
 import tensorflow as tf
 from horovod import tensorflow as hvd
 
-from kparallax._compat import tf as tf_compat
 from kparallax.step import collectives
 from kparallax.step import global_losses
 from kparallax.step import train_step
@@ -129,27 +126,3 @@ def row_offset(value):
     if strategy is None:
         return tf.constant(0, tf.int32)
     return _sizes(value, strategy)[1]
-
-
-@contextlib.contextmanager
-def tf_distribute_gather_refused(strategy):
-    """While a training step of a job of several workers is traced: ``tf.distribute.get_replica_context().all_gather``
-    (as a program written for tf.distribute gathers its candidates) raises. kparallax does not run the step under a
-    tf.distribute strategy: the replica context there is TensorFlow's default one, a single replica whose gather
-    returns the worker's own rows, and the model would train silently apart from one process."""
-    if strategy.num_workers == 1:
-        yield
-        return
-
-    def refuse(value, axis):
-        shapes = ", ".join(str(getattr(part, "shape", "?")) for part in tf.nest.flatten(value))
-        raise ValueError(
-            "tf.distribute.get_replica_context().all_gather in kparallax's training step gathers nothing: the step "
-            "does not run under a tf.distribute strategy, so the replica context is TensorFlow's default one (one "
-            "replica, replica_id_in_sync_group 0) and the rows would be this worker's alone, apart from one process. "
-            f"Received: all_gather of a value of shape {shapes} along axis {axis} in the training step of a job of "
-            f"{strategy.num_workers} workers. Gather the rows with kp.all_gather(value) and offset this worker's "
-            "labels by kp.row_offset(value).")
-
-    with tf_compat.default_replica_gather(refuse):
-        yield

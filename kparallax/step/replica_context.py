@@ -1,0 +1,60 @@
+"""tf.distribute's replica context inside kparallax's training step: its collectives refused on several workers.
+
+kparallax does not run the step under a tf.distribute strategy: Keras' train function runs it through TensorFlow's
+default strategy, whose replica context (``tf.distribute.get_replica_context()``) is one replica, so its
+``all_gather`` and ``all_reduce`` return this worker's own value. A program written for tf.distribute gathers its
+in-batch candidates or sums a normalizer (the batch's valid tokens) over the replicas with them: under kparallax it
+would see this worker's rows alone and train silently apart from one process. In the training step of a job of several
+workers both raise, at the first trace, with the fix. Keras' own ``all_reduce`` calls (its optimizers' gradient
+aggregation, synchronized BatchNormalization) are left alone: kparallax averages the gradients and the statistics over
+the workers itself. One worker, ``evaluate`` / ``predict`` and code outside the step are untouched.
+
+kparallax averages the workers' gradients (Horovod's convention), where tf.distribute sums the replicas' (so its
+programs scale each replica's loss down by the replica count): a tf.distribute program's
+``tf.nn.compute_average_loss`` over a global batch size is scaled for that in the step (``global_losses``).
+"""
+
+import contextlib
+
+import tensorflow as tf
+
+from kparallax._compat import tf as tf_compat
+
+
+def _shapes(value):
+    return ", ".join(str(getattr(part, "shape", "?")) for part in tf.nest.flatten(value))
+
+
+_CONTEXT = ("the step does not run under a tf.distribute strategy, so the replica context is TensorFlow's default one "
+            "(one replica, replica_id_in_sync_group 0)")
+
+
+@contextlib.contextmanager
+def refused(strategy):
+    """While a training step of a job of several workers is traced: ``all_gather`` and a user's ``all_reduce`` on
+    ``tf.distribute.get_replica_context()`` raise a ValueError with the fix."""
+    if strategy.num_workers == 1:
+        yield
+        return
+    job = f"in the training step of a job of {strategy.num_workers} workers"
+
+    def gather(value, axis):
+        raise ValueError(
+            f"tf.distribute.get_replica_context().all_gather in kparallax's training step gathers nothing: {_CONTEXT} "
+            "and the rows would be this worker's alone, apart from one process. Received: all_gather of a value of "
+            f"shape {_shapes(value)} along axis {axis} {job}. Gather the rows with kp.all_gather(value) and offset "
+            "this worker's labels by kp.row_offset(value).")
+
+    def reduce(reduce_op, value):
+        raise ValueError(
+            f"tf.distribute.get_replica_context().all_reduce in kparallax's training step reduces nothing: {_CONTEXT} "
+            "and the value would be this worker's alone, apart from one process. Received: "
+            f"all_reduce({str(getattr(reduce_op, 'value', reduce_op)).upper()}) of a value of shape {_shapes(value)} "
+            f"{job}. Write the step as for one process on this "
+            "worker's rows: kparallax averages the workers' gradients, weighted by their shares of the global batch. "
+            "A loss averaged over its rows needs no reduction; for one normalized by a count over the global batch "
+            "(valid tokens under a mask), compile the loss (a Keras mask or ignore_class is counted over the global "
+            "batch), or divide by a constant with tf.nn.compute_average_loss(per_example, global_batch_size=N).")
+
+    with tf_compat.default_replica_gather(gather), tf_compat.default_replica_reduce(reduce):
+        yield

@@ -1,0 +1,64 @@
+"""A train_step written for tf.distribute: a per-token loss under a padding mask, normalized by the valid tokens of
+the global batch, which it counts with tf.distribute.get_replica_context().all_reduce.
+
+Usage: tf_distribute_step.py OUT_DIR MODE
+  MODE=reference: one plain process (never imports kparallax): trains and writes OUT_DIR/model.npz.
+  MODE=kparallax: the same program under kparallax-run's strategy: on several workers the replica context's
+  all_reduce would count this worker's tokens alone, so kparallax refuses it at the first step (nothing written).
+"""
+
+import contextlib
+import os
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+VOCAB, EMB, LEN, ROWS, BATCH = 50, 4, 6, 64, 16
+
+
+class TokenModel(tf.keras.Model):
+    """A table into a per-token Dense regression; its loss: squared errors of the non-padding tokens, summed and
+    divided by the global batch's count of such tokens, as tf.distribute's guides normalize a masked loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.table, self.out = tf.keras.layers.Embedding(VOCAB, EMB), tf.keras.layers.Dense(1)
+
+    def call(self, ids):
+        return tf.squeeze(self.out(self.table(ids)), axis=-1)
+
+    def train_step(self, data):
+        ids, y = data
+        mask = tf.cast(ids > 0, tf.float32)
+        valid = tf.distribute.get_replica_context().all_reduce("sum", tf.reduce_sum(tf.cast(ids > 0, tf.int32)))
+        with tf.GradientTape() as tape:
+            per_token = tf.square(self(ids, training=True) - y) * mask
+            loss = tf.nn.compute_average_loss(tf.reduce_sum(per_token, axis=1), global_batch_size=valid)
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, self.trainable_variables), self.trainable_variables))
+        return {"loss": loss}
+
+
+def main(out_dir, mode):
+    rng = np.random.default_rng(11)
+    ids = rng.integers(1, VOCAB, size=(ROWS, LEN)).astype(np.int32)
+    ids[rng.random((ROWS, LEN)) < 0.4] = 0  # padding
+    y = rng.normal(size=(ROWS, LEN)).astype(np.float32)
+    if mode == "reference":
+        scope, chief = contextlib.nullcontext, True
+    else:
+        import kparallax as kp  # pylint: disable=import-outside-toplevel
+        strategy = kp.HybridStrategy()
+        scope, chief = strategy.scope, strategy.is_chief
+    with scope():
+        model = TokenModel()
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.1))
+        model.fit(ids, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    if chief:
+        np.savez(os.path.join(out_dir, "model.npz"), *model.get_weights())
+    if mode == "reference":
+        assert "kparallax" not in sys.modules, "the reference must not import kparallax"
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
