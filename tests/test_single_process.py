@@ -26,6 +26,19 @@ def test_properties(strategy):
     assert (strategy.num_workers, strategy.worker_index, strategy.is_chief) == (1, 0, True)
 
 
+@pytest.mark.parametrize("name, fix", [("num_replicas_in_sync", "Use strategy.num_workers."),
+                                       ("run", "train with model.fit"),
+                                       ("experimental_distribute_dataset", "train with model.fit")])
+def test_tf_distribute_names_say_what_to_use(strategy, name, fix):
+    # A program ported from tf.distribute looks for these: an AttributeError naming kparallax's way.
+    with pytest.raises(AttributeError, match=f"HybridStrategy is not a tf.distribute strategy and has no '{name}'. "
+                       f"Received: strategy.{name}. .*{fix}"):
+        getattr(strategy, name)
+    assert not hasattr(strategy, "num_replicas_in_sync")
+    with pytest.raises(AttributeError, match="^'HybridStrategy' object has no attribute 'no_such_name'$"):
+        strategy.no_such_name  # pylint: disable=pointless-statement
+
+
 def test_dense_model_trains_like_plain_keras(strategy):
     x, y = _data()
     plain = _dense_model()

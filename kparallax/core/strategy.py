@@ -37,6 +37,23 @@ from kparallax.step import ps_sync
 from kparallax.step import train_step
 
 
+# tf.distribute.Strategy's names that a program ported from tf.distribute looks for, with kparallax's way.
+_CUSTOM_LOOP = ("A custom training loop is not supported on several workers: compile the model in strategy.scope() "
+                "and train with model.fit (or train_on_batch), which shard the data per worker.")
+_TF_DISTRIBUTE_NAMES = {
+    "num_replicas_in_sync": (
+        "kparallax's workers are Horovod's processes, not replicas: fit's batch_size is per worker (the global batch "
+        "is batch_size * strategy.num_workers), and the step averages the workers' gradients. Use "
+        "strategy.num_workers."),
+    **{name: _CUSTOM_LOOP for name in ("run", "experimental_run", "experimental_distribute_dataset",
+                                       "distribute_datasets_from_function",
+                                       "experimental_distribute_values_from_function", "experimental_local_results",
+                                       "reduce", "gather")},
+    **{name: "Use strategy.cluster (a kp.Cluster), strategy.num_workers, worker_index and is_chief."
+       for name in ("extended", "cluster_resolver")},
+}
+
+
 class HybridStrategy:
     """Trains an unchanged Keras model on many workers, Parallax style.
 
@@ -115,6 +132,15 @@ class HybridStrategy:
         self._search = partition_search.new_state()
         logging.info("kparallax: %d worker(s), %d PS task(s), %s", hvd.size(), cluster.num_ps, self._options)
         keras_hooks.install(self)
+
+    def __getattr__(self, name):
+        """Called for attributes the strategy does not have: tf.distribute.Strategy's get an error with kparallax's
+        way (``_TF_DISTRIBUTE_NAMES``); any other, Python's own."""
+        fix = _TF_DISTRIBUTE_NAMES.get(name)
+        if fix is None:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        raise AttributeError(f"{type(self).__name__} is not a tf.distribute strategy and has no '{name}'. Received: "
+                             f"strategy.{name}. {fix}")
 
     # Properties users need -----------------------------------------------------------------------------
     @property
