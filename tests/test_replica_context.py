@@ -1,8 +1,10 @@
 """tf.distribute's replica context in kparallax's training step (``step/replica_context.py``): TensorFlow's default
-context (one replica), whose ``all_gather`` and ``all_reduce`` return this worker's own value. The swaps act only
-while active, and the ``all_reduce`` one only on a user's calls (Keras' optimizers and synchronized BatchNormalization
-call it themselves); a train_step written for tf.distribute that counts the global batch's valid tokens with
-``all_reduce`` is refused on both workers of a job, and runs in a plain process."""
+context (one replica), whose ``all_gather`` and ``all_reduce`` return this worker's own value and whose
+``num_replicas_in_sync`` is 1. The swaps act only while active, and the ``all_reduce`` and ``num_replicas_in_sync``
+ones only on a user's calls (Keras' optimizers and synchronized BatchNormalization call ``all_reduce`` themselves,
+Keras and ``tf.nn.compute_average_loss`` read the count); a train_step written for tf.distribute that counts the
+global batch's valid tokens with ``all_reduce``, or as its own times ``num_replicas_in_sync``, is refused on both
+workers of a job, and runs in a plain process."""
 
 import os
 import sys
@@ -59,15 +61,90 @@ def test_the_default_replica_contexts_all_reduce_is_swapped_for_a_users_calls_on
     assert len(calls) == 2, calls
 
 
+def test_the_default_replica_count_is_swapped_for_a_users_reads_only():
+    reads = []
+
+    def count(where):
+        reads.append(where)
+        return 7
+
+    @tf.function
+    def users_step(value):  # traced with autograph, as Keras traces a train_step
+        return value * tf.distribute.get_replica_context().num_replicas_in_sync
+
+    value = tf.constant([1.0, 3.0])
+    other = tf.distribute.OneDeviceStrategy("/cpu:0")
+    with tf_compat.default_replica_count(count):
+        assert tf.distribute.get_replica_context().num_replicas_in_sync == 7
+        assert tf.distribute.get_strategy().num_replicas_in_sync == 7
+        np.testing.assert_array_equal(users_step(value).numpy(), [7.0, 21.0])
+        assert reads == ["tf.distribute.get_replica_context()", "tf.distribute.get_strategy()",
+                         "tf.distribute.get_replica_context()"], reads
+        # TensorFlow's and Keras' own reads: the mean over the rows (one replica), Keras' loss scaling; another
+        # strategy's count.
+        np.testing.assert_allclose(tf.nn.compute_average_loss(value).numpy(), 2.0)
+        model = tf.keras.Sequential([tf.keras.layers.Dense(1, kernel_initializer="ones", use_bias=False)])
+        model.compile(loss="mse", optimizer=tf.keras.optimizers.SGD(0.0))
+        logs = model.train_on_batch(np.ones((2, 1), np.float32), np.zeros((2, 1), np.float32), return_dict=True)
+        assert other.num_replicas_in_sync == 1
+        assert len(reads) == 3, reads
+    np.testing.assert_allclose(logs["loss"], 1.0)
+    assert tf.distribute.get_replica_context().num_replicas_in_sync == 1
+    assert tf.distribute.get_strategy().num_replicas_in_sync == 1
+    assert len(reads) == 3, reads
+
+
+class _CountedLoss(tf.keras.Model):
+    """A regression whose train_step divides its mean loss by the default strategy's replica count, as a program
+    written for tf.distribute's summed gradients does."""
+
+    def __init__(self):
+        super().__init__()
+        self.out = tf.keras.layers.Dense(1, kernel_initializer="ones")
+
+    def call(self, x):
+        return self.out(x)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(self(x) - y)) / tf.distribute.get_strategy().num_replicas_in_sync
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, self.trainable_variables), self.trainable_variables))
+        return {"loss": loss}
+
+
+def test_the_replica_count_is_refused_on_one_worker_with_micro_batches_only():
+    # One worker (Horovod of size 1, no PS): one micro-batch reads 1 (the step is one process's); two micro-batches,
+    # whose gradients the step averages, refuse it.
+    import kparallax as kp  # pylint: disable=import-outside-toplevel
+    x, y = np.ones((8, 2), np.float32), np.zeros((8, 1), np.float32)
+    for micro_batches in (1, 2):
+        with kp.HybridStrategy(kp.Cluster.local(), backward_passes_per_step=micro_batches).scope():
+            model = _CountedLoss()
+            model.compile(optimizer=tf.keras.optimizers.SGD(0.0))
+        if micro_batches == 1:
+            np.testing.assert_allclose(model.fit(x, y, batch_size=4, verbose=0).history["loss"], [4.0])
+            continue
+        with pytest.raises(ValueError, match=r"num_replicas_in_sync in kparallax's training step has no value that "
+                                             r"trains as one process.* Received: tf.distribute.get_strategy\(\)."
+                                             r"num_replicas_in_sync read in the training step of a job of 1 worker "
+                                             r"with backward_passes_per_step=2\. "):
+            model.fit(x, y, batch_size=4, verbose=0)
+
+
 @pytest.mark.multiprocess
-def test_a_tf_distribute_replica_reduce_in_the_training_step_is_refused(tmp_path):
-    ref, got, run = testing.reference_and_job(PROGRAM, tmp_path)
+@pytest.mark.parametrize("normalizer, message", [
+    ("all_reduce", ["tf.distribute.get_replica_context().all_reduce in kparallax's training step reduces nothing",
+                    "Received: all_reduce(SUM) of a value of shape () in the training step of a job of 2 workers"]),
+    ("replica_count", ["num_replicas_in_sync in kparallax's training step has no value that trains as one process",
+                       "Received: tf.distribute.get_replica_context().num_replicas_in_sync read in the training step "
+                       "of a job of 2 workers"]),
+])
+def test_a_tf_distribute_normalizer_in_the_training_step_is_refused(tmp_path, normalizer, message):
+    ref, got, run = testing.reference_and_job(PROGRAM, tmp_path, args=(normalizer,))
     assert os.path.exists(os.path.join(ref, "model.npz"))  # a plain process trains it
     assert run.returncode != 0, run.report()
     for name in ("worker-0.log", "worker-1.log"):
-        log = run.logs()[name]
-        assert "tf.distribute.get_replica_context().all_reduce in kparallax's training step reduces nothing" in log, (
-            run.report())
-        assert "Received: all_reduce(SUM) of a value of shape () in the training step of a job of 2 workers" in log, (
-            run.report())
+        for part in message:
+            assert part in run.logs()[name], run.report()
     assert not os.path.exists(os.path.join(got, "model.npz"))

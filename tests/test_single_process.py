@@ -34,6 +34,9 @@ def test_tf_distribute_names_say_what_to_use(strategy, name, fix):
     with pytest.raises(AttributeError, match=f"HybridStrategy is not a tf.distribute strategy and has no '{name}'. "
                        f"Received: strategy.{name}. .*{fix}"):
         getattr(strategy, name)
+
+
+def test_other_missing_names_get_pythons_own_error(strategy):
     assert not hasattr(strategy, "num_replicas_in_sync")
     with pytest.raises(AttributeError, match="^'HybridStrategy' object has no attribute 'no_such_name'$"):
         strategy.no_such_name  # pylint: disable=pointless-statement

@@ -182,27 +182,10 @@ def recording_gradients(record):
     return _swapped([_backprop.GradientTape], "gradient", gradient)
 
 
-def default_replica_gather(gather):
-    """While active, ``all_gather`` on a replica context of TensorFlow's default strategy (what
-    ``tf.distribute.get_replica_context()`` returns outside a tf.distribute strategy, and inside Keras' train function,
-    which runs its step through the default strategy's ``run``: one replica, whose gather returns its value) calls
-    ``gather(value, axis)`` instead; other strategies' contexts gather as before. The method is swapped on
-    ``tf.distribute.ReplicaContext`` for the duration; the default strategy is the private
-    ``tensorflow.python.distribute.distribute_lib._get_default_strategy()``."""
-    original = tf.distribute.ReplicaContext.all_gather
-    default = _distribute_lib._get_default_strategy()  # pylint: disable=protected-access
-
-    def all_gather(self, value, axis, options=None):
-        if self.strategy is not default:
-            return original(self, value, axis, options)
-        return gather(value, axis)
-
-    return _swapped([tf.distribute.ReplicaContext], "all_gather", all_gather)
-
-
 # Packages whose calls of a replica context's collectives are their own business: Keras' optimizers aggregate
 # gradients with all_reduce and its synchronized BatchNormalization sums statistics with it (kparallax handles both
-# itself). ``tf_keras``: Keras 2 under TensorFlow 2.16-2.18.
+# itself); Keras, TensorFlow (tf.nn.compute_average_loss) and Horovod read num_replicas_in_sync. ``tf_keras``: Keras 2
+# under TensorFlow 2.16-2.18.
 _LIBRARY_PACKAGES = ("tensorflow", "keras", "tf_keras", "horovod", "kparallax")
 
 
@@ -217,21 +200,57 @@ def _caller_is_library():
     return module.split(".")[0] in _LIBRARY_PACKAGES
 
 
-def default_replica_reduce(reduce):
-    """While active, ``all_reduce`` on a replica context of TensorFlow's default strategy (one replica, whose reduce
-    returns its value), called by code outside TensorFlow, Keras, Horovod and kparallax (a user's ``train_step``, a
-    library written for tf.distribute), calls ``reduce(reduce_op, value)`` instead; Keras' own calls (its optimizers'
-    gradient aggregation, synchronized BatchNormalization) and other strategies' contexts reduce as before. Swapped on
-    ``tf.distribute.ReplicaContext`` for the duration, as ``default_replica_gather``."""
-    original = tf.distribute.ReplicaContext.all_reduce
+def _default_strategy_swapped(owner, name, replacement, users_only):
+    """While active, member ``name`` (a method or a property) of class ``owner`` (a replica context's or a
+    strategy's), on an object of TensorFlow's default strategy, calls ``replacement`` instead, with the method's
+    arguments (none for a property); with ``users_only``, only when the caller is outside ``_LIBRARY_PACKAGES``.
+    Other strategies' objects get the original. The default strategy (the private
+    ``distribute_lib._get_default_strategy()``) is what ``tf.distribute.get_strategy()`` returns outside a
+    tf.distribute strategy and inside Keras' train function, which runs its step through that strategy's ``run``
+    (one replica). Swapped for the duration on the class of ``owner``'s MRO that defines it."""
+    cls = next(base for base in owner.__mro__ if name in base.__dict__)
+    original = cls.__dict__[name]
+    is_property = isinstance(original, property)
+    function = original.fget if is_property else original
     default = _distribute_lib._get_default_strategy()  # pylint: disable=protected-access
 
-    def all_reduce(self, reduce_op, value, options=None):
-        if self.strategy is not default or _caller_is_library():
-            return original(self, reduce_op, value, options)
-        return reduce(reduce_op, value)
+    def member(self, *args, **kwargs):
+        strategy = self if isinstance(self, _distribute_lib.StrategyBase) else self.strategy
+        if strategy is not default or (users_only and _caller_is_library()):
+            return function(self, *args, **kwargs)
+        return replacement(*args, **kwargs)
 
-    return _swapped([tf.distribute.ReplicaContext], "all_reduce", all_reduce)
+    return _swapped([cls], name, property(member, doc=original.__doc__) if is_property else member)
+
+
+def default_replica_gather(gather):
+    """While active, ``all_gather`` on a replica context of TensorFlow's default strategy (whose gather returns its
+    value: one replica) calls ``gather(value, axis)`` instead (``_default_strategy_swapped``)."""
+    return _default_strategy_swapped(tf.distribute.ReplicaContext, "all_gather",
+                                     lambda value, axis, options=None: gather(value, axis), users_only=False)
+
+
+def default_replica_reduce(reduce):
+    """While active, ``all_reduce`` on a replica context of TensorFlow's default strategy (whose reduce returns its
+    value), called by code outside TensorFlow, Keras, Horovod and kparallax (a user's ``train_step``, a library written
+    for tf.distribute), calls ``reduce(reduce_op, value)`` instead; Keras' own calls (its optimizers' gradient
+    aggregation, synchronized BatchNormalization) reduce as before (``_default_strategy_swapped``)."""
+    return _default_strategy_swapped(tf.distribute.ReplicaContext, "all_reduce",
+                                     lambda reduce_op, value, options=None: reduce(reduce_op, value), users_only=True)
+
+
+@contextlib.contextmanager
+def default_replica_count(count):
+    """While active, ``num_replicas_in_sync`` of TensorFlow's default strategy (``tf.distribute.get_strategy()``, a
+    Keras model's ``distribute_strategy``) and of its replica context (``tf.distribute.get_replica_context()``), read
+    by code outside TensorFlow, Keras, Horovod and kparallax, is ``count(where)``, ``where`` naming which of the two
+    was read; their own reads (Keras' loss scaling, ``tf.nn.compute_average_loss``) give 1 as before
+    (``_default_strategy_swapped``)."""
+    with _default_strategy_swapped(tf.distribute.ReplicaContext, "num_replicas_in_sync",
+                                   lambda: count("tf.distribute.get_replica_context()"), users_only=True), \
+            _default_strategy_swapped(tf.distribute.Strategy, "num_replicas_in_sync",
+                                      lambda: count("tf.distribute.get_strategy()"), users_only=True):
+        yield
 
 
 def average_loss_replaced(wrap):

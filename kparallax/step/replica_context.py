@@ -1,4 +1,4 @@
-"""tf.distribute's replica context inside kparallax's training step: its collectives refused on several workers.
+"""tf.distribute's replica context inside kparallax's training step: its collectives and replica count refused.
 
 kparallax does not run the step under a tf.distribute strategy: Keras' train function runs it through TensorFlow's
 default strategy, whose replica context (``tf.distribute.get_replica_context()``) is one replica, so its
@@ -11,7 +11,11 @@ the workers itself. One worker, ``evaluate`` / ``predict`` and code outside the 
 
 kparallax averages the workers' gradients (Horovod's convention), where tf.distribute sums the replicas' (so its
 programs scale each replica's loss down by the replica count): a tf.distribute program's
-``tf.nn.compute_average_loss`` over a global batch size is scaled for that in the step (``global_losses``).
+``tf.nn.compute_average_loss`` over a global batch size is scaled for that in the step (``global_losses``). The
+replica count itself, ``num_replicas_in_sync`` of the default strategy or its replica context (1), has no value that
+trains as one process: a loss divided by it is right with 1, a global batch size multiplied by it
+(``rows * num_replicas_in_sync``) is right with the worker count. A user's read of it in the training step of several
+workers or micro-batches (``backward_passes_per_step``, whose micro-batches the step averages too) raises.
 """
 
 import contextlib
@@ -29,14 +33,19 @@ _CONTEXT = ("the step does not run under a tf.distribute strategy, so the replic
             "(one replica, replica_id_in_sync_group 0)")
 
 
+def _job(strategy):
+    micro_batches = strategy.options.backward_passes_per_step
+    job = f"in the training step of a job of {strategy.num_workers} worker{'s' if strategy.num_workers > 1 else ''}"
+    return job + (f" with backward_passes_per_step={micro_batches}" if micro_batches > 1 else "")
+
+
 @contextlib.contextmanager
 def refused(strategy):
-    """While a training step of a job of several workers is traced: ``all_gather`` and a user's ``all_reduce`` on
-    ``tf.distribute.get_replica_context()`` raise a ValueError with the fix."""
-    if strategy.num_workers == 1:
-        yield
-        return
-    job = f"in the training step of a job of {strategy.num_workers} workers"
+    """While a training step of a job of several workers is traced: ``all_gather``, a user's ``all_reduce`` and a
+    user's read of ``num_replicas_in_sync`` on ``tf.distribute.get_replica_context()`` (the last also on
+    ``tf.distribute.get_strategy()``) raise a ValueError with the fix; the last also under
+    ``backward_passes_per_step > 1`` on one worker."""
+    job = _job(strategy)
 
     def gather(value, axis):
         raise ValueError(
@@ -56,5 +65,21 @@ def refused(strategy):
             "(valid tokens under a mask), compile the loss (a Keras mask or ignore_class is counted over the global "
             "batch), or divide by a constant with tf.nn.compute_average_loss(per_example, global_batch_size=N).")
 
-    with tf_compat.default_replica_gather(gather), tf_compat.default_replica_reduce(reduce):
+    def count(where):
+        raise ValueError(
+            f"num_replicas_in_sync in kparallax's training step has no value that trains as one process: {_CONTEXT}, "
+            "and kparallax averages the gradients of the workers and micro-batches where tf.distribute sums the "
+            "replicas' (a loss divided by the replica count would be right with 1, a global batch size multiplied by "
+            f"it with the worker count). Received: {where}.num_replicas_in_sync read {job}. Write the step as for one "
+            "process on this worker's rows: average the loss over them (a compiled loss, tf.reduce_mean, or "
+            "tf.nn.compute_average_loss(per_example) without global_batch_size), not divided by a replica count; "
+            "divide a sum by the global batch size as a constant (tf.nn.compute_average_loss(per_example, "
+            "global_batch_size=N)). Outside the step, strategy.num_workers is the worker count.")
+
+    with contextlib.ExitStack() as stack:
+        if strategy.num_workers > 1:
+            stack.enter_context(tf_compat.default_replica_gather(gather))
+            stack.enter_context(tf_compat.default_replica_reduce(reduce))
+        if strategy.num_workers * strategy.options.backward_passes_per_step > 1:
+            stack.enter_context(tf_compat.default_replica_count(count))
         yield

@@ -1,10 +1,12 @@
 """A train_step written for tf.distribute: a per-token loss under a padding mask, normalized by the valid tokens of
-the global batch, which it counts with tf.distribute.get_replica_context().all_reduce.
+the global batch, which it counts with tf.distribute.get_replica_context().all_reduce (NORMALIZER=all_reduce), or
+by this replica's valid tokens times the replica count, num_replicas_in_sync (NORMALIZER=replica_count).
 
-Usage: tf_distribute_step.py OUT_DIR MODE
+Usage: tf_distribute_step.py OUT_DIR MODE NORMALIZER
   MODE=reference: one plain process (never imports kparallax): trains and writes OUT_DIR/model.npz.
   MODE=kparallax: the same program under kparallax-run's strategy: on several workers the replica context's
-  all_reduce would count this worker's tokens alone, so kparallax refuses it at the first step (nothing written).
+  all_reduce would count this worker's tokens alone, and its num_replicas_in_sync is 1, so kparallax refuses either
+  at the first step (nothing written).
 """
 
 import contextlib
@@ -21,8 +23,9 @@ class TokenModel(tf.keras.Model):
     """A table into a per-token Dense regression; its loss: squared errors of the non-padding tokens, summed and
     divided by the global batch's count of such tokens, as tf.distribute's guides normalize a masked loss."""
 
-    def __init__(self):
+    def __init__(self, normalizer):
         super().__init__()
+        self.normalizer = normalizer
         self.table, self.out = tf.keras.layers.Embedding(VOCAB, EMB), tf.keras.layers.Dense(1)
 
     def call(self, ids):
@@ -31,7 +34,11 @@ class TokenModel(tf.keras.Model):
     def train_step(self, data):
         ids, y = data
         mask = tf.cast(ids > 0, tf.float32)
-        valid = tf.distribute.get_replica_context().all_reduce("sum", tf.reduce_sum(tf.cast(ids > 0, tf.int32)))
+        count, context = tf.reduce_sum(tf.cast(mask, tf.int32)), tf.distribute.get_replica_context()
+        if self.normalizer == "all_reduce":
+            valid = context.all_reduce("sum", count)
+        else:
+            valid = count * context.num_replicas_in_sync
         with tf.GradientTape() as tape:
             per_token = tf.square(self(ids, training=True) - y) * mask
             loss = tf.nn.compute_average_loss(tf.reduce_sum(per_token, axis=1), global_batch_size=valid)
@@ -39,7 +46,7 @@ class TokenModel(tf.keras.Model):
         return {"loss": loss}
 
 
-def main(out_dir, mode):
+def main(out_dir, mode, normalizer):
     rng = np.random.default_rng(11)
     ids = rng.integers(1, VOCAB, size=(ROWS, LEN)).astype(np.int32)
     ids[rng.random((ROWS, LEN)) < 0.4] = 0  # padding
@@ -51,7 +58,7 @@ def main(out_dir, mode):
         strategy = kp.HybridStrategy()
         scope, chief = strategy.scope, strategy.is_chief
     with scope():
-        model = TokenModel()
+        model = TokenModel(normalizer)
         model.compile(optimizer=tf.keras.optimizers.SGD(0.1))
         model.fit(ids, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     if chief:
