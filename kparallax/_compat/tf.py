@@ -201,22 +201,28 @@ def _caller_is_library():
 
 
 def _default_strategy_swapped(owner, name, replacement, users_only):
-    """While active, member ``name`` (a method or a property) of class ``owner`` (a replica context's or a
-    strategy's), on an object of TensorFlow's default strategy, calls ``replacement`` instead, with the method's
-    arguments (none for a property); with ``users_only``, only when the caller is outside ``_LIBRARY_PACKAGES``.
-    Other strategies' objects get the original. The default strategy (the private
+    """While active, member ``name`` (a method or a property) of class ``owner`` (a replica context's, a strategy's or
+    a strategy's ``extended``), on an object of TensorFlow's default strategy, calls ``replacement`` instead, with the
+    method's arguments (none for a property); with ``users_only``, only when the caller is outside
+    ``_LIBRARY_PACKAGES``. Other strategies' objects get the original. The default strategy (the private
     ``distribute_lib._get_default_strategy()``) is what ``tf.distribute.get_strategy()`` returns outside a
     tf.distribute strategy and inside Keras' train function, which runs its step through that strategy's ``run``
-    (one replica). Swapped for the duration on the class of ``owner``'s MRO that defines it."""
+    (one replica), and what a ``merge_call``'s function gets there. Swapped for the duration on the class of
+    ``owner``'s MRO that defines it."""
     cls = next(base for base in owner.__mro__ if name in base.__dict__)
     original = cls.__dict__[name]
     is_property = isinstance(original, property)
     function = original.fget if is_property else original
     default = _distribute_lib._get_default_strategy()  # pylint: disable=protected-access
+    if issubclass(owner, _distribute_lib.StrategyBase):
+        strategy_of = lambda strategy: strategy
+    elif issubclass(owner, _distribute_lib.StrategyExtendedV2):
+        strategy_of = lambda extended: extended._container_strategy()  # pylint: disable=protected-access
+    else:
+        strategy_of = lambda context: context.strategy
 
     def member(self, *args, **kwargs):
-        strategy = self if isinstance(self, _distribute_lib.StrategyBase) else self.strategy
-        if strategy is not default or (users_only and _caller_is_library()):
+        if strategy_of(self) is not default or (users_only and _caller_is_library()):
             return function(self, *args, **kwargs)
         return replacement(*args, **kwargs)
 
@@ -230,13 +236,32 @@ def default_replica_gather(gather):
                                      lambda value, axis, options=None: gather(value, axis), users_only=False)
 
 
-def default_replica_reduce(reduce):
-    """While active, ``all_reduce`` on a replica context of TensorFlow's default strategy (whose reduce returns its
-    value), called by code outside TensorFlow, Keras, Horovod and kparallax (a user's ``train_step``, a library written
-    for tf.distribute), calls ``reduce(reduce_op, value)`` instead; Keras' own calls (its optimizers' gradient
-    aggregation, synchronized BatchNormalization) reduce as before (``_default_strategy_swapped``)."""
-    return _default_strategy_swapped(tf.distribute.ReplicaContext, "all_reduce",
-                                     lambda reduce_op, value, options=None: reduce(reduce_op, value), users_only=True)
+@contextlib.contextmanager
+def default_reductions(reduce):
+    """While active, TensorFlow's default strategy's reductions (each returns its value: one replica), called by code
+    outside TensorFlow, Keras, Horovod and kparallax (a user's ``train_step`` or a ``merge_call``'s function in it, a
+    library written for tf.distribute), call ``reduce(where, reduce_op, values)`` instead, ``where`` naming the method:
+    its replica context's ``all_reduce``, the strategy's ``reduce``, its ``extended.reduce_to`` and
+    ``extended.batch_reduce_to`` (``values``: the values of its pairs). Keras' own calls (its optimizers' gradient
+    aggregation, synchronized BatchNormalization, its train function's logs) reduce as before
+    (``_default_strategy_swapped``)."""
+    context, strategy = "tf.distribute.get_replica_context()", "tf.distribute.get_strategy()"
+    swaps = [
+        (tf.distribute.ReplicaContext, "all_reduce",
+         lambda reduce_op, value, options=None: reduce(f"{context}.all_reduce", reduce_op, value)),
+        (tf.distribute.Strategy, "reduce",
+         lambda reduce_op, value, axis: reduce(f"{strategy}.reduce", reduce_op, value)),
+        (tf.distribute.StrategyExtended, "reduce_to",
+         lambda reduce_op, value, destinations, options=None: reduce(
+             f"{strategy}.extended.reduce_to", reduce_op, value)),
+        (tf.distribute.StrategyExtended, "batch_reduce_to",
+         lambda reduce_op, value_destination_pairs, options=None: reduce(
+             f"{strategy}.extended.batch_reduce_to", reduce_op, [value for value, _ in value_destination_pairs])),
+    ]
+    with contextlib.ExitStack() as stack:
+        for owner, name, replacement in swaps:
+            stack.enter_context(_default_strategy_swapped(owner, name, replacement, users_only=True))
+        yield
 
 
 @contextlib.contextmanager

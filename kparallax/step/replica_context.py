@@ -2,12 +2,14 @@
 
 kparallax does not run the step under a tf.distribute strategy: Keras' train function runs it through TensorFlow's
 default strategy, whose replica context (``tf.distribute.get_replica_context()``) is one replica, so its
-``all_gather`` and ``all_reduce`` return this worker's own value. A program written for tf.distribute gathers its
-in-batch candidates or sums a normalizer (the batch's valid tokens) over the replicas with them: under kparallax it
-would see this worker's rows alone and train silently apart from one process. In the training step of a job of several
-workers both raise, at the first trace, with the fix. Keras' own ``all_reduce`` calls (its optimizers' gradient
-aggregation, synchronized BatchNormalization) are left alone: kparallax averages the gradients and the statistics over
-the workers itself. One worker, ``evaluate`` / ``predict`` and code outside the step are untouched.
+``all_gather`` and ``all_reduce`` return this worker's own value, as do the default strategy's reductions
+(``reduce``, ``extended.reduce_to`` and ``extended.batch_reduce_to``, which a ``merge_call``'s function gets). A program
+written for tf.distribute gathers its in-batch candidates or sums a normalizer (the batch's valid tokens) over the
+replicas with them: under kparallax it would see this worker's rows alone and train silently apart from one process. In
+the training step of a job of several workers they raise, at the first trace, with the fix. Keras' own calls (its
+optimizers' gradient aggregation, synchronized BatchNormalization, its train function's logs) are left alone:
+kparallax averages the gradients and the statistics over the workers itself. One worker, ``evaluate`` / ``predict``
+and code outside the step are untouched.
 
 kparallax averages the workers' gradients (Horovod's convention), where tf.distribute sums the replicas' (so its
 programs scale each replica's loss down by the replica count): a tf.distribute program's
@@ -29,23 +31,24 @@ def _shapes(value):
     return ", ".join(str(getattr(part, "shape", "?")) for part in tf.nest.flatten(value))
 
 
-_CONTEXT = ("the step does not run under a tf.distribute strategy, so the replica context is TensorFlow's default one "
-            "(one replica, replica_id_in_sync_group 0)")
+_CONTEXT = ("the step does not run under a tf.distribute strategy, so its strategy and replica context are "
+            "TensorFlow's default ones (one replica, replica_id_in_sync_group 0; a merge_call's function gets that "
+            "strategy)")
 
 
-def _job(strategy):
-    micro_batches = strategy.options.backward_passes_per_step
-    job = f"in the training step of a job of {strategy.num_workers} worker{'s' if strategy.num_workers > 1 else ''}"
+def _job(workers, micro_batches):
+    job = f"in the training step of a job of {workers} worker{'s' if workers > 1 else ''}"
     return job + (f" with backward_passes_per_step={micro_batches}" if micro_batches > 1 else "")
 
 
 @contextlib.contextmanager
 def refused(strategy):
     """While a training step of a job of several workers is traced: ``all_gather``, a user's ``all_reduce`` and a
-    user's read of ``num_replicas_in_sync`` on ``tf.distribute.get_replica_context()`` (the last also on
-    ``tf.distribute.get_strategy()``) raise a ValueError with the fix; the last also under
-    ``backward_passes_per_step > 1`` on one worker."""
-    job = _job(strategy)
+    user's read of ``num_replicas_in_sync`` on ``tf.distribute.get_replica_context()``, and a user's reduction or
+    read of ``num_replicas_in_sync`` on ``tf.distribute.get_strategy()`` raise a ValueError with the fix; the reads
+    also under ``backward_passes_per_step > 1`` on one worker."""
+    workers, micro_batches = strategy.num_workers, strategy.options.backward_passes_per_step
+    job = _job(workers, micro_batches)
 
     def gather(value, axis):
         raise ValueError(
@@ -54,11 +57,11 @@ def refused(strategy):
             f"shape {_shapes(value)} along axis {axis} {job}. Gather the rows with kp.all_gather(value) and offset "
             "this worker's labels by kp.row_offset(value).")
 
-    def reduce(reduce_op, value):
+    def reduce(where, reduce_op, value):
         raise ValueError(
-            f"tf.distribute.get_replica_context().all_reduce in kparallax's training step reduces nothing: {_CONTEXT} "
-            "and the value would be this worker's alone, apart from one process. Received: "
-            f"all_reduce({str(getattr(reduce_op, 'value', reduce_op)).upper()}) of a value of shape {_shapes(value)} "
+            f"{where} in kparallax's training step reduces nothing: {_CONTEXT} and the value would be this worker's "
+            f"alone, apart from one process. Received: {where.rsplit('.', 1)[-1]}"
+            f"({str(getattr(reduce_op, 'value', reduce_op)).upper()}) of a value of shape {_shapes(value)} "
             f"{job}. Write the step as for one process on this "
             "worker's rows: kparallax averages the workers' gradients, weighted by their shares of the global batch. "
             "A loss averaged over its rows needs no reduction; for one normalized by a count over the global batch "
@@ -77,9 +80,9 @@ def refused(strategy):
             "global_batch_size=N)). Outside the step, strategy.num_workers is the worker count.")
 
     with contextlib.ExitStack() as stack:
-        if strategy.num_workers > 1:
+        if workers > 1:
             stack.enter_context(tf_compat.default_replica_gather(gather))
-            stack.enter_context(tf_compat.default_replica_reduce(reduce))
-        if strategy.num_workers * strategy.options.backward_passes_per_step > 1:
+            stack.enter_context(tf_compat.default_reductions(reduce))
+        if workers * micro_batches > 1:
             stack.enter_context(tf_compat.default_replica_count(count))
         yield

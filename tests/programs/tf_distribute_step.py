@@ -1,12 +1,13 @@
 """A train_step written for tf.distribute: a per-token loss under a padding mask, normalized by the valid tokens of
-the global batch, which it counts with tf.distribute.get_replica_context().all_reduce (NORMALIZER=all_reduce), or
-by this replica's valid tokens times the replica count, num_replicas_in_sync (NORMALIZER=replica_count).
+the global batch, which it counts with tf.distribute.get_replica_context().all_reduce (NORMALIZER=all_reduce), with
+the strategy's reduce in a merge_call (NORMALIZER=merge_call), or as this replica's valid tokens times the replica
+count, num_replicas_in_sync (NORMALIZER=replica_count).
 
 Usage: tf_distribute_step.py OUT_DIR MODE NORMALIZER
   MODE=reference: one plain process (never imports kparallax): trains and writes OUT_DIR/model.npz.
   MODE=kparallax: the same program under kparallax-run's strategy: on several workers the replica context's
-  all_reduce would count this worker's tokens alone, and its num_replicas_in_sync is 1, so kparallax refuses either
-  at the first step (nothing written).
+  all_reduce and the strategy's reduce would count this worker's tokens alone, and num_replicas_in_sync is 1, so
+  kparallax refuses each at the first step (nothing written).
 """
 
 import contextlib
@@ -37,6 +38,8 @@ class TokenModel(tf.keras.Model):
         count, context = tf.reduce_sum(tf.cast(mask, tf.int32)), tf.distribute.get_replica_context()
         if self.normalizer == "all_reduce":
             valid = context.all_reduce("sum", count)
+        elif self.normalizer == "merge_call":  # the replicas' counts summed by their strategy in a merge_call
+            valid = context.merge_call(lambda strategy, value: strategy.reduce("sum", value, axis=None), args=(count,))
         else:
             valid = count * context.num_replicas_in_sync
         with tf.GradientTape() as tape:
