@@ -1,11 +1,11 @@
 """tf.distribute's replica context in kparallax's training step (``step/replica_context.py``): TensorFlow's default
 context (one replica), whose ``all_gather`` and ``all_reduce`` return this worker's own value and whose
-``num_replicas_in_sync`` is 1, and the default strategy's reductions. The swaps act only while active, and the
-reductions' and ``num_replicas_in_sync`` ones only on a user's calls (Keras' optimizers and synchronized
-BatchNormalization call ``all_reduce`` themselves, Keras and ``tf.nn.compute_average_loss`` read the count); a
-train_step written for tf.distribute that counts the global batch's valid tokens with ``all_reduce``, with the
-strategy's ``reduce`` in a ``merge_call``, or as its own times ``num_replicas_in_sync``, is refused on both workers of
-a job, and runs in a plain process."""
+``num_replicas_in_sync`` is 1, and the default strategy's gather and reductions. The swaps act only while active,
+and all but ``all_gather``'s only on a user's calls (Keras' optimizers and synchronized BatchNormalization call
+``all_reduce`` themselves, Keras and ``tf.nn.compute_average_loss`` read the count); a train_step written for
+tf.distribute that counts the global batch's valid tokens with ``all_reduce``, with the strategy's ``reduce`` in a
+``merge_call``, or as its own times ``num_replicas_in_sync``, is refused on both workers of a job, and runs in a
+plain process."""
 
 import os
 import sys
@@ -20,15 +20,30 @@ from kparallax._compat import tf as tf_compat
 PROGRAM = os.path.join(os.path.dirname(__file__), "programs", "tf_distribute_step.py")
 
 
-def test_the_default_replica_contexts_all_gather_is_swapped_only_while_active():
+def test_the_default_gathers_are_swapped_only_while_active_and_the_strategys_for_a_users_calls_only():
     value = tf.constant([[1.0], [2.0]])
     calls = []
-    with tf_compat.default_replica_gather(lambda v, axis: calls.append(axis) or v * 10.0):
+
+    def gather(where, v, axis):
+        calls.append((where, axis))
+        return v * 10.0
+
+    @tf.function
+    def users_step(v):  # traced with autograph, as Keras traces a train_step
+        return tf.distribute.get_replica_context().merge_call(lambda strategy, x: strategy.gather(x, axis=0),
+                                                              args=(v,))
+
+    other = tf.distribute.OneDeviceStrategy("/cpu:0")
+    with tf_compat.default_gathers(gather):
         swapped = tf.distribute.get_replica_context().all_gather(value, axis=0)
+        np.testing.assert_array_equal(users_step(value).numpy(), [[10.0], [20.0]])
+        np.testing.assert_array_equal(other.gather(other.run(lambda: value), axis=0).numpy(), value.numpy())
     np.testing.assert_array_equal(swapped.numpy(), [[10.0], [20.0]])
-    assert calls == [0]
+    assert calls == [("tf.distribute.get_replica_context().all_gather", 0), ("tf.distribute.get_strategy().gather", 0)]
     np.testing.assert_array_equal(tf.distribute.get_replica_context().all_gather(value, axis=0).numpy(),
                                   value.numpy())
+    np.testing.assert_array_equal(tf.distribute.get_strategy().gather(value, axis=0).numpy(), value.numpy())
+    assert len(calls) == 2, calls
 
 
 def test_the_default_strategys_reductions_are_swapped_for_a_users_calls_only():

@@ -229,11 +229,19 @@ def _default_strategy_swapped(owner, name, replacement, users_only):
     return _swapped([cls], name, property(member, doc=original.__doc__) if is_property else member)
 
 
-def default_replica_gather(gather):
+@contextlib.contextmanager
+def default_gathers(gather):
     """While active, ``all_gather`` on a replica context of TensorFlow's default strategy (whose gather returns its
-    value: one replica) calls ``gather(value, axis)`` instead (``_default_strategy_swapped``)."""
-    return _default_strategy_swapped(tf.distribute.ReplicaContext, "all_gather",
-                                     lambda value, axis, options=None: gather(value, axis), users_only=False)
+    value: one replica) calls ``gather(where, value, axis)`` instead, ``where`` naming the method; so does the default
+    strategy's ``gather`` (which a ``merge_call``'s function gets) when called by code outside TensorFlow, Keras,
+    Horovod and kparallax (``_default_strategy_swapped``)."""
+    context, strategy = "tf.distribute.get_replica_context()", "tf.distribute.get_strategy()"
+    with _default_strategy_swapped(tf.distribute.ReplicaContext, "all_gather",
+                                   lambda value, axis, options=None: gather(f"{context}.all_gather", value, axis),
+                                   users_only=False), \
+            _default_strategy_swapped(tf.distribute.Strategy, "gather",
+                                      lambda value, axis: gather(f"{strategy}.gather", value, axis), users_only=True):
+        yield
 
 
 @contextlib.contextmanager

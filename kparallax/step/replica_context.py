@@ -2,8 +2,9 @@
 
 kparallax does not run the step under a tf.distribute strategy: Keras' train function runs it through TensorFlow's
 default strategy, whose replica context (``tf.distribute.get_replica_context()``) is one replica, so its
-``all_gather`` and ``all_reduce`` return this worker's own value, as do the default strategy's reductions
-(``reduce``, ``extended.reduce_to`` and ``extended.batch_reduce_to``, which a ``merge_call``'s function gets). A program
+``all_gather`` and ``all_reduce`` return this worker's own value, as do the default strategy's ``gather`` and
+reductions (``reduce``, ``extended.reduce_to`` and ``extended.batch_reduce_to``), which a ``merge_call``'s function
+gets. A program
 written for tf.distribute gathers its in-batch candidates or sums a normalizer (the batch's valid tokens) over the
 replicas with them: under kparallax it would see this worker's rows alone and train silently apart from one process. In
 the training step of a job of several workers they raise, at the first trace, with the fix. Keras' own calls (its
@@ -44,17 +45,17 @@ def _job(workers, micro_batches):
 @contextlib.contextmanager
 def refused(strategy):
     """While a training step of a job of several workers is traced: ``all_gather``, a user's ``all_reduce`` and a
-    user's read of ``num_replicas_in_sync`` on ``tf.distribute.get_replica_context()``, and a user's reduction or
-    read of ``num_replicas_in_sync`` on ``tf.distribute.get_strategy()`` raise a ValueError with the fix; the reads
-    also under ``backward_passes_per_step > 1`` on one worker."""
+    user's read of ``num_replicas_in_sync`` on ``tf.distribute.get_replica_context()``, and a user's gather,
+    reduction or read of ``num_replicas_in_sync`` on ``tf.distribute.get_strategy()`` raise a ValueError with the
+    fix; the reads also under ``backward_passes_per_step > 1`` on one worker."""
     workers, micro_batches = strategy.num_workers, strategy.options.backward_passes_per_step
     job = _job(workers, micro_batches)
 
-    def gather(value, axis):
+    def gather(where, value, axis):
         raise ValueError(
-            f"tf.distribute.get_replica_context().all_gather in kparallax's training step gathers nothing: {_CONTEXT} "
-            "and the rows would be this worker's alone, apart from one process. Received: all_gather of a value of "
-            f"shape {_shapes(value)} along axis {axis} {job}. Gather the rows with kp.all_gather(value) and offset "
+            f"{where} in kparallax's training step gathers nothing: {_CONTEXT} and the rows would be this worker's "
+            f"alone, apart from one process. Received: {where.rsplit('.', 1)[-1]} of a value of shape {_shapes(value)} "
+            f"along axis {axis} {job}. Gather the rows with kp.all_gather(value) and offset "
             "this worker's labels by kp.row_offset(value).")
 
     def reduce(where, reduce_op, value):
@@ -81,7 +82,7 @@ def refused(strategy):
 
     with contextlib.ExitStack() as stack:
         if workers > 1:
-            stack.enter_context(tf_compat.default_replica_gather(gather))
+            stack.enter_context(tf_compat.default_gathers(gather))
             stack.enter_context(tf_compat.default_reductions(reduce))
         if workers * micro_batches > 1:
             stack.enter_context(tf_compat.default_replica_count(count))
