@@ -1,17 +1,18 @@
 """Losses in kparallax's training step (step/global_losses.py). tf.nn.compute_average_loss on several workers or
 micro-batches: without a global batch size the worker's mean (as TensorFlow computes it), with one scaled as a
-summed loss (the workers times the micro-batches, over this worker's share); TensorFlow's own outside the step and in
-compiled loss functions (which scale sums themselves). Under backward_passes_per_step=2, summed losses (reduction
-"sum" and "none", a user's summing function, compute_average_loss over a global batch size) train as one process on
-the update's 64 rows (before: 0.056 off, half the gradient); a masked loss is refused. The compute_average_loss
-training on several workers is compared with one process in test_keras_programs.py too (tf_distribute_average_loss,
-compiled_average_loss)."""
+summed loss (the workers times the micro-batches, over this worker's share), under every name (one bound before the
+step too); TensorFlow's own outside the step and in compiled loss functions (which scale sums themselves). Under
+backward_passes_per_step=2, summed losses (reduction "sum" and "none", a user's summing function,
+compute_average_loss over a global batch size) train as one process on the update's 64 rows (before: 0.056 off, half
+the gradient); a masked loss is refused. The compute_average_loss training on several workers is compared with one
+process in test_keras_programs.py too (tf_distribute_average_loss, compiled_average_loss)."""
 
 import os
 
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.nn import compute_average_loss as bound_before  # as a user's module binds it, before any step
 
 from kparallax import testing
 from kparallax._compat import keras_losses
@@ -22,15 +23,17 @@ PROGRAM = os.path.join(os.path.dirname(__file__), "programs", "accumulated_losse
 PER_EXAMPLE = tf.constant([1.0, 2.0, 3.0, 6.0])  # sum 12, mean 3
 
 
-def test_outside_the_step_and_on_one_worker_it_is_tensorflows():
+def test_it_is_tensorflows_outside_the_step_and_on_one_worker_and_scaled_under_every_name_on_several():
     own = tf.nn.compute_average_loss
+    names = (tf.nn.compute_average_loss, tf.compat.v2.nn.compute_average_loss, bound_before)
     with global_losses.workers(1):
-        assert tf.nn.compute_average_loss is own
-    with global_losses.workers(2):
-        assert tf.nn.compute_average_loss is not own
-        assert tf.compat.v2.nn.compute_average_loss is tf.nn.compute_average_loss
+        assert [float(name(PER_EXAMPLE, global_batch_size=8)) for name in names] == [1.5] * 3
+    with global_losses.workers(2):  # a name bound before the step too (before: TensorFlow's, 1/N of one process's)
+        assert [float(name(PER_EXAMPLE, global_batch_size=8)) for name in names] == [3.0] * 3
+        traced = tf.function(lambda: bound_before(PER_EXAMPLE, global_batch_size=8), autograph=False)()
+        assert float(traced) == 3.0
     assert tf.nn.compute_average_loss is own and tf.compat.v2.nn.compute_average_loss is own
-    assert float(tf.nn.compute_average_loss(PER_EXAMPLE, global_batch_size=8)) == 1.5
+    assert [float(name(PER_EXAMPLE, global_batch_size=8)) for name in names] == [1.5] * 3
 
 
 def test_on_several_workers_a_global_batch_size_scales_it_as_a_summed_loss():

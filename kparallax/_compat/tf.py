@@ -5,6 +5,8 @@ Versions: TensorFlow 2.15 (seen 2.15.1). Each function names the private API it 
 """
 
 import contextlib
+import functools
+import inspect
 import sys
 
 import tensorflow as tf
@@ -19,7 +21,6 @@ from tensorflow.python.ops import gen_resource_variable_ops as _gen_rv
 from tensorflow.python.ops import handle_data_util as _handle_data_util
 from tensorflow.python.ops import resource_variable_ops as _rv
 
-_TF_COMPUTE_AVERAGE_LOSS = tf.nn.compute_average_loss  # before any swap (average_loss_replaced)
 ShardedVariable = _sharded.ShardedVariable  # TF's container of row shards; Keras lists the shards as weights
 
 
@@ -286,11 +287,46 @@ def default_replica_count(count):
         yield
 
 
+@functools.lru_cache(maxsize=None)
+def _dispatch_target_cell(function):
+    """The closure cell through which every call of TensorFlow's exported ``function`` reaches its undecorated body:
+    ``dispatch_target`` of the handler ``dispatch.add_dispatch_support`` wraps it in (private; TF 2.15: the exported
+    object is a traceback filter around that handler). One object is exported under every name (``tf.nn``,
+    ``tf.compat.v2.nn``, a name a user bound with ``from tensorflow.nn import ...``), so setting the cell reaches them
+    all."""
+    body = inspect.unwrap(function)
+    pending, seen = [function], set()
+    while pending:
+        wrapper = pending.pop()
+        if id(wrapper) in seen:
+            continue
+        seen.add(id(wrapper))
+        for name, cell in zip(wrapper.__code__.co_freevars, wrapper.__closure__ or ()):
+            contents = cell.cell_contents
+            if name == "dispatch_target" and contents is body:
+                return cell
+            if inspect.isfunction(contents):
+                pending.append(contents)
+    raise RuntimeError(f"kparallax cannot scale {function.__module__}.{function.__name__} in this TensorFlow version "
+                       f"(no dispatch_target cell around it). Received: tensorflow {tf.__version__}; kparallax is "
+                       "tested with 2.15 (kparallax/_compat/tf.py: _dispatch_target_cell).")
+
+
+@contextlib.contextmanager
 def average_loss_replaced(wrap):
-    """While active, ``tf.nn.compute_average_loss`` (one function, in ``tf.nn`` and ``tf.compat.v2.nn``) is
-    ``wrap(tensorflow's own)``, for code that looks it up when it calls it (a name bound to it earlier keeps
-    TensorFlow's); nested, the inner one holds until it ends (``wrap=lambda own: own`` restores TensorFlow's)."""
-    return _swapped([tf.nn, tf.compat.v2.nn], "compute_average_loss", wrap(_TF_COMPUTE_AVERAGE_LOSS))
+    """While active, every call of ``tf.nn.compute_average_loss`` (one function, in ``tf.nn`` and
+    ``tf.compat.v2.nn``, and under any name bound to it before) runs ``wrap(tensorflow's own body)``; nested, the
+    inner one holds until it ends (``wrap=lambda own: own`` restores TensorFlow's). Swapped in the closure cell of
+    TensorFlow's dispatch wrapper (``_dispatch_target_cell``), as a name bound before would keep a module
+    attribute's old value."""
+    cell = _dispatch_target_cell(tf.nn.compute_average_loss)
+    body = inspect.unwrap(tf.nn.compute_average_loss)
+    previous = cell.cell_contents
+    cell.cell_contents = wrap(body)
+    try:
+        yield
+    finally:
+        cell.cell_contents = previous
 
 
 def captured_from(tensor):

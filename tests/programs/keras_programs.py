@@ -9,6 +9,7 @@ import tempfile
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.nn import compute_average_loss  # AverageLossStep: a name bound before any training step
 
 VOCAB, EMB, LEN, ROWS, WORKERS = 120, 6, 5, 128, 2
 # This process's worker index and the job's worker count (strategy.worker_index / num_workers under kparallax; the
@@ -933,8 +934,8 @@ GLOBAL_BATCH = 32  # tf.distribute's global batch size: one process's batch (2 w
 
 class AverageLossStep(tf.keras.Model):
     """A train_step written as tf.distribute's guides write one: the per-example losses averaged over the global
-    batch size by tf.nn.compute_average_loss (a partial last batch's sum is divided by GLOBAL_BATCH too, in one
-    process as well), the regularization losses by tf.nn.scale_regularization_loss."""
+    batch size by tf.nn.compute_average_loss, imported by name (a partial last batch's sum is divided by GLOBAL_BATCH
+    too, in one process as well), the regularization losses by tf.nn.scale_regularization_loss."""
 
     def __init__(self):
         super().__init__()
@@ -950,7 +951,7 @@ class AverageLossStep(tf.keras.Model):
         ids, y = data
         with tf.GradientTape() as tape:
             per_example = tf.reduce_mean(tf.square(self(ids, training=True) - y), axis=1)
-            loss = (tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+            loss = (compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
                     + tf.nn.scale_regularization_loss(tf.add_n(self.losses)))
         self.optimizer.apply_gradients(zip(tape.gradient(loss, self.trainable_variables), self.trainable_variables))
         return {"loss": loss}
