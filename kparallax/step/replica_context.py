@@ -4,10 +4,9 @@ kparallax does not run the step under a tf.distribute strategy: Keras' train fun
 default strategy, whose replica context (``tf.distribute.get_replica_context()``) is one replica, so its
 ``all_gather`` and ``all_reduce`` return this worker's own value, as do the default strategy's ``gather`` and
 reductions (``reduce``, ``extended.reduce_to`` and ``extended.batch_reduce_to``), which a ``merge_call``'s function
-gets. A program
-written for tf.distribute gathers its in-batch candidates or sums a normalizer (the batch's valid tokens) over the
-replicas with them: under kparallax it would see this worker's rows alone and train silently apart from one process. In
-the training step of a job of several workers they raise, at the first trace, with the fix. Keras' own calls (its
+gets. A program written for tf.distribute gathers its in-batch candidates or sums a normalizer (the batch's valid
+tokens) over the replicas with them: under kparallax it would see this worker's rows alone and train silently apart
+from one process. In the training step of a job of several workers they raise, at the first trace, with the fix. Keras' own calls (its
 optimizers' gradient aggregation, synchronized BatchNormalization, its train function's logs) are left alone:
 kparallax averages the gradients and the statistics over the workers itself. One worker, ``evaluate`` / ``predict``
 and code outside the step are untouched.
