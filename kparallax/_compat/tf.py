@@ -230,22 +230,34 @@ def _default_strategy_swapped(owner, name, replacement, users_only):
     return _swapped([cls], name, property(member, doc=original.__doc__) if is_property else member)
 
 
+# How the default strategy's objects are named in messages: its replica context and the strategy itself (whose
+# ``extended`` follows the strategy's name).
+_CONTEXT = "tf.distribute.get_replica_context()"
+_STRATEGY = "tf.distribute.get_strategy()"
+
+
 @contextlib.contextmanager
+def _default_strategy_swaps(swaps):
+    """While active, every ``(owner, name, replacement, users_only)`` of ``swaps`` is swapped in
+    (``_default_strategy_swapped``); each is restored when the context ends."""
+    with contextlib.ExitStack() as stack:
+        for owner, name, replacement, users_only in swaps:
+            stack.enter_context(_default_strategy_swapped(owner, name, replacement, users_only))
+        yield
+
+
 def default_gathers(gather):
     """While active, ``all_gather`` on a replica context of TensorFlow's default strategy (whose gather returns its
     value: one replica) calls ``gather(where, value, axis)`` instead, ``where`` naming the method; so does the default
     strategy's ``gather`` (which a ``merge_call``'s function gets) when called by code outside TensorFlow, Keras,
     Horovod and kparallax (``_default_strategy_swapped``)."""
-    context, strategy = "tf.distribute.get_replica_context()", "tf.distribute.get_strategy()"
-    with _default_strategy_swapped(tf.distribute.ReplicaContext, "all_gather",
-                                   lambda value, axis, options=None: gather(f"{context}.all_gather", value, axis),
-                                   users_only=False), \
-            _default_strategy_swapped(tf.distribute.Strategy, "gather",
-                                      lambda value, axis: gather(f"{strategy}.gather", value, axis), users_only=True):
-        yield
+    return _default_strategy_swaps([
+        (tf.distribute.ReplicaContext, "all_gather",
+         lambda value, axis, options=None: gather(f"{_CONTEXT}.all_gather", value, axis), False),
+        (tf.distribute.Strategy, "gather", lambda value, axis: gather(f"{_STRATEGY}.gather", value, axis), True),
+    ])
 
 
-@contextlib.contextmanager
 def default_reductions(reduce):
     """While active, TensorFlow's default strategy's reductions (each returns its value: one replica), called by code
     outside TensorFlow, Keras, Horovod and kparallax (a user's ``train_step`` or a ``merge_call``'s function in it, a
@@ -254,46 +266,40 @@ def default_reductions(reduce):
     ``extended.batch_reduce_to`` (``values``: the values of its pairs). Keras' own calls (its optimizers' gradient
     aggregation, synchronized BatchNormalization, its train function's logs) reduce as before
     (``_default_strategy_swapped``)."""
-    context, strategy = "tf.distribute.get_replica_context()", "tf.distribute.get_strategy()"
-    swaps = [
+    return _default_strategy_swaps([
         (tf.distribute.ReplicaContext, "all_reduce",
-         lambda reduce_op, value, options=None: reduce(f"{context}.all_reduce", reduce_op, value)),
+         lambda reduce_op, value, options=None: reduce(f"{_CONTEXT}.all_reduce", reduce_op, value), True),
         (tf.distribute.Strategy, "reduce",
-         lambda reduce_op, value, axis: reduce(f"{strategy}.reduce", reduce_op, value)),
+         lambda reduce_op, value, axis: reduce(f"{_STRATEGY}.reduce", reduce_op, value), True),
         (tf.distribute.StrategyExtended, "reduce_to",
          lambda reduce_op, value, destinations, options=None: reduce(
-             f"{strategy}.extended.reduce_to", reduce_op, value)),
+             f"{_STRATEGY}.extended.reduce_to", reduce_op, value), True),
         (tf.distribute.StrategyExtended, "batch_reduce_to",
          lambda reduce_op, value_destination_pairs, options=None: reduce(
-             f"{strategy}.extended.batch_reduce_to", reduce_op, [value for value, _ in value_destination_pairs])),
-    ]
-    with contextlib.ExitStack() as stack:
-        for owner, name, replacement in swaps:
-            stack.enter_context(_default_strategy_swapped(owner, name, replacement, users_only=True))
-        yield
+             f"{_STRATEGY}.extended.batch_reduce_to", reduce_op, [value for value, _ in value_destination_pairs]),
+         True),
+    ])
 
 
-@contextlib.contextmanager
 def default_replica_count(count):
     """While active, ``num_replicas_in_sync`` of TensorFlow's default strategy (``tf.distribute.get_strategy()``, a
     Keras model's ``distribute_strategy``) and of its replica context (``tf.distribute.get_replica_context()``), read
     by code outside TensorFlow, Keras, Horovod and kparallax, is ``count(where)``, ``where`` naming which of the two
     was read; their own reads (Keras' loss scaling, ``tf.nn.compute_average_loss``) give 1 as before
     (``_default_strategy_swapped``)."""
-    with _default_strategy_swapped(tf.distribute.ReplicaContext, "num_replicas_in_sync",
-                                   lambda: count("tf.distribute.get_replica_context()"), users_only=True), \
-            _default_strategy_swapped(tf.distribute.Strategy, "num_replicas_in_sync",
-                                      lambda: count("tf.distribute.get_strategy()"), users_only=True):
-        yield
+    return _default_strategy_swaps([
+        (tf.distribute.ReplicaContext, "num_replicas_in_sync", lambda: count(_CONTEXT), True),
+        (tf.distribute.Strategy, "num_replicas_in_sync", lambda: count(_STRATEGY), True),
+    ])
 
 
 @functools.lru_cache(maxsize=None)
-def _dispatch_target_cell(function):
-    """The closure cell through which every call of TensorFlow's exported ``function`` reaches its undecorated body:
-    ``dispatch_target`` of the handler ``dispatch.add_dispatch_support`` wraps it in (private; TF 2.15: the exported
-    object is a traceback filter around that handler). One object is exported under every name (``tf.nn``,
-    ``tf.compat.v2.nn``, a name a user bound with ``from tensorflow.nn import ...``), so setting the cell reaches them
-    all."""
+def _dispatch_target(function):
+    """TensorFlow's exported ``function``'s undecorated body and the closure cell through which every call of it
+    reaches that body: ``dispatch_target`` of the handler ``dispatch.add_dispatch_support`` wraps it in (private;
+    TF 2.15: the exported object is a traceback filter around that handler). One object is exported under every name
+    (``tf.nn``, ``tf.compat.v2.nn``, a name a user bound with ``from tensorflow.nn import ...``), so setting the cell
+    reaches them all."""
     body = inspect.unwrap(function)
     pending, seen = [function], set()
     while pending:
@@ -304,12 +310,12 @@ def _dispatch_target_cell(function):
         for name, cell in zip(wrapper.__code__.co_freevars, wrapper.__closure__ or ()):
             contents = cell.cell_contents
             if name == "dispatch_target" and contents is body:
-                return cell
+                return body, cell
             if inspect.isfunction(contents):
                 pending.append(contents)
     raise RuntimeError(f"kparallax cannot scale {function.__module__}.{function.__name__} in this TensorFlow version "
                        f"(no dispatch_target cell around it). Received: tensorflow {tf.__version__}; kparallax is "
-                       "tested with 2.15 (kparallax/_compat/tf.py: _dispatch_target_cell).")
+                       "tested with 2.15 (kparallax/_compat/tf.py: _dispatch_target).")
 
 
 @contextlib.contextmanager
@@ -317,10 +323,9 @@ def average_loss_replaced(wrap):
     """While active, every call of ``tf.nn.compute_average_loss`` (one function, in ``tf.nn`` and
     ``tf.compat.v2.nn``, and under any name bound to it before) runs ``wrap(tensorflow's own body)``; nested, the
     inner one holds until it ends (``wrap=lambda own: own`` restores TensorFlow's). Swapped in the closure cell of
-    TensorFlow's dispatch wrapper (``_dispatch_target_cell``), as a name bound before would keep a module
-    attribute's old value."""
-    cell = _dispatch_target_cell(tf.nn.compute_average_loss)
-    body = inspect.unwrap(tf.nn.compute_average_loss)
+    TensorFlow's dispatch wrapper (``_dispatch_target``), as a name bound before would keep a module attribute's old
+    value."""
+    body, cell = _dispatch_target(tf.nn.compute_average_loss)
     previous = cell.cell_contents
     cell.cell_contents = wrap(body)
     try:

@@ -36,6 +36,11 @@ _CONTEXT = ("the step does not run under a tf.distribute strategy, so its strate
             "strategy)")
 
 
+def _method(where):
+    """The method's own name in ``where`` (``tf.distribute.get_strategy().reduce`` -> ``reduce``)."""
+    return where.rsplit(".", 1)[-1]
+
+
 def _job(workers, micro_batches):
     job = f"in the training step of a job of {workers} worker{'s' if workers > 1 else ''}"
     return job + (f" with backward_passes_per_step={micro_batches}" if micro_batches > 1 else "")
@@ -53,14 +58,14 @@ def refused(strategy):
     def gather(where, value, axis):
         raise ValueError(
             f"{where} in kparallax's training step gathers nothing: {_CONTEXT} and the rows would be this worker's "
-            f"alone, apart from one process. Received: {where.rsplit('.', 1)[-1]} of a value of shape {_shapes(value)} "
+            f"alone, apart from one process. Received: {_method(where)} of a value of shape {_shapes(value)} "
             f"along axis {axis} {job}. Gather the rows with kp.all_gather(value) and offset "
             "this worker's labels by kp.row_offset(value).")
 
     def reduce(where, reduce_op, value):
         raise ValueError(
             f"{where} in kparallax's training step reduces nothing: {_CONTEXT} and the value would be this worker's "
-            f"alone, apart from one process. Received: {where.rsplit('.', 1)[-1]}"
+            f"alone, apart from one process. Received: {_method(where)}"
             f"({str(getattr(reduce_op, 'value', reduce_op)).upper()}) of a value of shape {_shapes(value)} "
             f"{job}. Write the step as for one process on this "
             "worker's rows: kparallax averages the workers' gradients, weighted by their shares of the global batch. "
