@@ -1,7 +1,7 @@
-"""Ordinary Keras programs (custom train_steps clipping their gradients, also under mixed_float16 and with a second optimizer, dict inputs + AUC, Metric subclasses of a user's own, tf.SparseTensor and ragged inputs, a keras.utils.Sequence and a generator, tf.data of unknown length and of known length with sample weights, class_weight with a regularized table,
+"""Ordinary Keras programs (custom train_steps clipping their gradients, also under mixed_float16 and with a second optimizer, dict inputs + AUC, Metric subclasses of a user's own, Keras' metrics with array results (F1Score per class) with validation, tf.SparseTensor and ragged inputs, a keras.utils.Sequence and a generator, tf.data of unknown length and of known length with sample weights, class_weight with a regularized table,
 mask_zero + LSTM with validation_split and Keras callbacks, a custom train_step, an adapted TextVectorization, the lookup/hashing/normalization/discretization layers, two models sharing a layer,
 ModelCheckpoint/CSVLogger/TensorBoard(histograms)/BackupAndRestore, mixed_float16, BatchNormalization with global
-statistics, mixed_bfloat16, losses reduced by "sum" and "none", loss and metric functions returning one scalar (a sum, a mean), a model trained by add_loss alone, a dataset with a partial last batch (compiled losses; a custom train_step's own loss through BatchNormalization and an activity regularizer), masked per-step losses (mask_zero, ignore_class), weighted_metrics, Conv1D + GRU with validation_data and
+statistics, mixed_bfloat16, losses reduced by "sum" and "none", loss and metric functions returning one scalar (a sum, a mean), a model trained by add_loss alone, a dataset with a partial last batch (compiled losses; a custom train_step's own loss through BatchNormalization and an activity regularizer), masked per-step losses (mask_zero, ignore_class), a gradient penalty on the inputs (a tape in the tape) minimized with optimizer.minimize, weighted_metrics, Conv1D + GRU with validation_data and
 evaluate, a stateful LSTM, run_eagerly without tables, a second optimizer in a custom train_step, fine-tuning a frozen base after compiling again, compute_loss overridden, a user's own embedding layer (add_weight
 tables with sparse gradients, moved onto the PS), metrics added with add_metric and Keras' guide's loss tracker (sums
 and means over the batch on a partial last batch),
@@ -19,7 +19,7 @@ from kparallax import testing
 from programs import keras_programs
 
 PROGRAMS = os.path.join(os.path.dirname(__file__), "programs")
-SHARDS = 3  # each part runs in its own job under its own timeout (all 58 programs in one took ~280 s of 300)
+SHARDS = 3  # each part runs in its own job under its own timeout (all 58 programs in one took ~280 s of 300; 62 now)
 
 
 @pytest.mark.multiprocess

@@ -126,7 +126,9 @@ class AverageMetrics(tf.keras.callbacks.Callback):
         merged = logs_lib.over_workers(dict(logs), metrics, self.model.optimizer.iterations.numpy(),
                                        self._strategy.num_workers, name=f"kp_metrics_{tag}",
                                        worker_index=self._strategy.worker_index)
-        return {key: float(value.numpy()) for key, value in merged.items() if isinstance(value, tf.Tensor)}
+        # As Keras gives a log: a number, or an array for a metric's non-scalar result (F1Score's per class).
+        return {key: value.numpy() if value.shape.rank else float(value.numpy())
+                for key, value in merged.items() if isinstance(value, tf.Tensor)}
 
     def on_epoch_begin(self, epoch, logs=None):
         self._in_epoch, self._training = True, None

@@ -5,13 +5,13 @@ the metric asks otherwise: ``Mean`` a total and a count (so every ``MeanMetricWr
 user's metric function), ``AUC`` and the confusion-matrix metrics (precision, recall, F1, IoU, ...) counts,
 ``R2Score`` sums, and a user's ``Metric`` subclass whatever it adds up (an F1 from its own true and false positive
 counts). Summed over the workers, those states are the states one process would hold after the same global
-batches, so a result computed from the sums is one process's result. An average of the workers' results is not,
-for any ratio (seen: a logged AUC 0.02 off one process, a user's F1 metric 0.0012 off) nor for a count (half of
-it on 2 workers). That is also what TensorFlow's distribution strategies do: a metric's result is computed from its
-states aggregated over the replicas, each by its variable's aggregation (``SUM``; ``MEAN``: their mean;
-``ONLY_FIRST_REPLICA``: worker 0's). A metric with a state of aggregation ``NONE`` (a ``tf.Variable`` made
-directly), and any other float scalar in the logs (a custom ``train_step``'s), keeps the average of the workers'
-values instead.
+batches, so a result computed from the sums is one process's result, whatever its shape (``F1Score``'s array
+per class). An average of the workers' results is not, for any ratio (seen: a logged AUC 0.02 off one process, a
+user's F1 metric 0.0012 off) nor for a count (half of it on 2 workers). That is also what TensorFlow's
+distribution strategies do: a metric's result is computed from its states aggregated over the replicas, each by its
+variable's aggregation (``SUM``; ``MEAN``: their mean; ``ONLY_FIRST_REPLICA``: worker 0's). A metric with a state
+of aggregation ``NONE`` (a ``tf.Variable`` made directly), and any other float scalar in the logs (a custom
+``train_step``'s), keeps the average of the workers' values instead.
 
 ``over_workers`` sends the states and the other values in ONE allreduce, ``collectives.sum_checked``, which also
 checks that every worker's optimizer is at the same step. In a step it depends on the forward pass only, so Horovod
@@ -64,9 +64,10 @@ def _is_float_scalar(value):
 def over_workers(logs, metrics, iterations, num_workers, name, weight=None, worker_index=0):
     """``logs`` (a dict: tensors in a traced step, numbers eagerly) over all workers, in one checked allreduce.
 
-    Keys that are results of additive ``metrics`` take the result of the aggregated states; other float scalars
-    are averaged, each worker's times ``weight`` when given (its share of the global batch, when batches may differ
-    in size: a per-batch mean then averages to the global batch's); everything else is left as this worker has it.
+    Keys that are results of additive ``metrics`` take the result of the aggregated states (of any shape); other
+    float scalars are averaged, each worker's times ``weight`` when given (its share of the global batch, when
+    batches may differ in size: a per-batch mean then averages to the global batch's); everything else is left as
+    this worker has it.
     ``iterations``: this worker's optimizer step (read before this step's update); ``name``: the allreduce's, the
     same on every worker; ``worker_index``: this worker's (for states aggregated as ``ONLY_FIRST_REPLICA``).
     """
@@ -93,8 +94,9 @@ def over_workers(logs, metrics, iterations, num_workers, name, weight=None, work
     for metric in exact:
         result = metric.result()
         results.update(result if isinstance(result, dict) else {metric.name: result})
-    for i, key in enumerate(keys):
-        value = results[key] if key in results else summed[offset + i] / float(num_workers)
+    averaged = {key: summed[offset + i] / float(num_workers) for i, key in enumerate(keys) if key not in results}
+    # A metric's result of any shape (F1Score's per-class vector) is its aggregated states' result.
+    for key, value in {**averaged, **{k: v for k, v in results.items() if k in logs}}.items():
         out[key] = tf.identity(tf.cast(value, logs[key].dtype if isinstance(logs[key], (tf.Tensor, tf.Variable))
                                        else tf.float32))
     for variable, value in zip(variables, local):

@@ -533,6 +533,46 @@ def custom_metric_classes(scope, batch):
     return model
 
 
+class _LoggedArrays(tf.keras.callbacks.Callback):
+    """Keeps every batch's and epoch's logs, in key order, each flattened (a log may be an array)."""
+
+    def __init__(self):
+        super().__init__()
+        self.batches, self.epochs = [], []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches.append(np.concatenate([np.ravel(logs[k]) for k in sorted(logs)]))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs.append(np.concatenate([np.ravel(logs[k]) for k in sorted(logs)]))
+
+
+def vector_metric_results(scope, batch):
+    """Keras' metrics whose result is not a scalar: F1Score per class (a vector of 3; a binary one's vector of 1)
+    next to a macro F1, an IoU and an F-beta, with validation: every batch's and epoch's logs equal one process's."""
+    ids, rng = _ids(35)
+    labels = rng.integers(0, 3, size=(ROWS,))
+    y = {"classes": np.eye(3, dtype=np.float32)[labels], "first": (labels == 0).astype(np.float32)[:, None]}
+    logged = _LoggedArrays()
+    with scope():
+        ids_in = tf.keras.Input((LEN,), dtype=tf.int32)
+        h = tf.keras.layers.GlobalAveragePooling1D()(tf.keras.layers.Embedding(VOCAB, EMB)(ids_in))
+        model = tf.keras.Model(ids_in, {"classes": tf.keras.layers.Dense(3, activation="softmax", name="classes")(h),
+                                        "first": tf.keras.layers.Dense(1, activation="sigmoid", name="first")(h)})
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.05),
+                      loss={"classes": "categorical_crossentropy", "first": "binary_crossentropy"},
+                      metrics={"classes": [tf.keras.metrics.F1Score(), tf.keras.metrics.F1Score(average="macro",
+                                                                                                name="macro_f1"),
+                                           tf.keras.metrics.OneHotIoU(3, [0, 1])],
+                               "first": [tf.keras.metrics.F1Score(threshold=0.4),
+                                         tf.keras.metrics.FBetaScore(beta=2.0, threshold=0.4)]})
+        model.fit(ids, y, batch_size=batch, epochs=2, shuffle=False, verbose=0, callbacks=[logged],
+                  validation_split=0.25)
+    model.logged = [np.array(logged.batches), np.array(logged.epochs)]
+    return model
+
+
 def sparse_and_ragged_inputs(scope, batch):
     """Wide and deep: a multi-hot tf.SparseTensor input into a Dense layer (wide) and ragged id lists into a table
     (deep), fed to fit as tensors."""
@@ -930,6 +970,49 @@ def own_loss_partial_batch(scope, batch):
 
 
 GLOBAL_BATCH = 32  # tf.distribute's global batch size: one process's batch (2 workers x 16)
+
+
+class PenalizedStep(tf.keras.Model):
+    """A train_step with a gradient penalty on its inputs (WGAN-GP's pattern: a tape inside the tape) minimized
+    through ``optimizer.minimize(loss, variables, tape=tape)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = tf.keras.layers.Embedding(VOCAB, EMB)
+        self.hidden = tf.keras.layers.Dense(4, activation="tanh")
+        self.out = tf.keras.layers.Dense(1)
+
+    def call(self, inputs):
+        ids, features = inputs
+        return self.out(self.hidden(tf.concat([tf.reduce_mean(self.table(ids), axis=1), features], axis=1)))
+
+    def train_step(self, data):
+        (ids, features), y = data
+        with tf.GradientTape() as tape:
+            with tf.GradientTape() as inner:
+                inner.watch(features)
+                prediction = self((ids, features), training=True)
+            penalty = tf.reduce_mean(tf.square(tf.norm(inner.gradient(prediction, features), axis=1) - 1.0))
+            loss = tf.reduce_mean(tf.square(prediction - y)) + 0.5 * penalty
+        self.optimizer.minimize(loss, self.trainable_variables, tape=tape)
+        return {"loss": loss, "penalty": penalty}
+
+
+def gradient_penalty(scope, batch):
+    """PenalizedStep with Adam on a dataset with a partial last batch: weights and epoch logs equal one
+    process's."""
+    (ids, features), _ = _binary_data(31)
+    y = np.random.default_rng(31).normal(size=(ROWS, 1)).astype(np.float32)
+    logged, rows = _Logged(), ROWS - 10
+    with scope():
+        model = PenalizedStep()
+        model((ids[:1], features[:1]))
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.02))
+        model.fit(tf.data.Dataset.from_tensor_slices(((ids[:rows], features[:rows]), y[:rows])).batch(batch),
+                  epochs=2, verbose=0, callbacks=[logged])
+    model.logged = [np.array(logged.epochs)]
+    return model
 
 
 class AverageLossStep(tf.keras.Model):
@@ -1699,7 +1782,8 @@ def restore_best_weights(scope, batch):
 
 
 PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, mixed_float16_clipped,
-                                    clipped_two_optimizers, ratio_metrics, custom_metric_classes, sparse_and_ragged_inputs,
+                                    clipped_two_optimizers, ratio_metrics, custom_metric_classes, vector_metric_results,
+                                    sparse_and_ragged_inputs,
                                     sequence_input, generator_input,
                                     summed_losses, scalar_loss_functions, scalar_metric_functions, added_loss_only,
                                     unreduced_loss, batch_normalization, mixed_float16, mixed_float16_overflow,
@@ -1709,7 +1793,7 @@ PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, mixed
                                     tf_data_known_cardinality, backup_and_restore_resume, partial_last_batch,
                                     self_sharded_dataset, partial_last_batch_arrays, odd_batch_count_dataset,
                                     padded_sequences,
-                                    masked_sequence_losses, own_loss_partial_batch, tf_distribute_average_loss,
+                                    masked_sequence_losses, own_loss_partial_batch, gradient_penalty, tf_distribute_average_loss,
                                     compiled_average_loss, weighted_metrics_sample_weights,
                                     gru_conv1d_evaluate, seq2seq_gru, validation_summed_loss, learning_rate_callbacks,
                                     stop_on_one_worker, layer_running_statistics, stateful_lstm,
