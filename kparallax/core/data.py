@@ -14,7 +14,8 @@ of steps. The batches of a ``padded_batch`` are padded to the longest in their s
 batch (``dataset_split``). A dataset of unknown length needs ``steps_per_epoch``.
 
 A ``keras.utils.Sequence`` is split by whole batches too (batches ``i, i+N, ...`` of its ``__getitem__``: each
-worker loads its own batches only; the rows of its last ``len % N`` batches as a dataset's), a Python generator by
+worker loads its own batches only; the rows of its last ``len % N`` batches as a dataset's; its ``on_epoch_end``
+once per epoch, also under ``fit(workers=K)`` / ``use_multiprocessing``), a Python generator by
 drawing every batch and keeping batches ``i, i+N, ...`` (it needs ``steps_per_epoch``, as a dataset of unknown
 length does).
 
@@ -25,6 +26,8 @@ marked is refused (``fit`` would shard it again: each worker would train on 1/N 
 shuffled without a seed (each worker would split its own order: their batches would overlap); ``fit`` also
 compares the shuffle seeds across workers (``shuffle_seeds``).
 """
+
+import threading
 
 import numpy as np
 import tensorflow as tf
@@ -127,12 +130,13 @@ def shard_dataset(dataset, num_workers, index, steps_per_epoch=None):
 class _SequenceShard(tf.keras.utils.Sequence):
     """Batches ``index, index + N, ...`` of a ``keras.utils.Sequence`` (whole batches, as a dataset is sharded) of its
     first ``len - len % N``, then, with ``split_last``, one batch of the rows ``index, index + N, ...`` of its last
-    ``len % N`` batches joined (one process's last global batch); its ``on_epoch_end`` is the sequence's (every worker
-    calls it)."""
+    ``len % N`` batches joined (one process's last global batch); its ``on_epoch_end`` is the sequence's, once per
+    epoch on every worker."""
 
     def __init__(self, sequence, num_workers, index, split_last):
         super().__init__()
         self._sequence, self._n, self._index = sequence, num_workers, index
+        self._fit_thread = threading.get_ident()  # fit shards the sequence in the thread that runs its epochs
         self._whole = len(sequence) // num_workers
         self._length = self._whole + int(split_last)
 
@@ -154,7 +158,12 @@ class _SequenceShard(tf.keras.utils.Sequence):
         return tf.nest.map_structure(lambda a: a[self._index::self._n], joined)
 
     def on_epoch_end(self):
-        self._sequence.on_epoch_end()
+        # fit calls this at each epoch's end. Under fit(workers=K > 1) or use_multiprocessing, Keras' OrderedEnqueuer
+        # also calls it from its own thread once it has handed out a whole epoch's batches, unless fit's call stops it
+        # first (it polls every 0.1 s): an epoch whose last step and epoch end took longer (a collective, validation)
+        # reshuffled a sequence twice, on each worker as its timing fell (0.053 off one process, silently).
+        if threading.get_ident() == self._fit_thread:
+            self._sequence.on_epoch_end()
 
 
 def _last_batches(sequence, num_workers):

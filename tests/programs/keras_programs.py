@@ -6,6 +6,7 @@ Never imports kparallax."""
 
 import os
 import tempfile
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -628,6 +629,33 @@ def sequence_input(scope, batch):
         model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="mse", metrics=["mae"])
         history = model.fit(ShuffledBatches(ids, y, batch), epochs=3, verbose=0, shuffle=False)
     model.logged = [np.array([history.history["loss"], history.history["mae"]])]
+    return model
+
+
+class _SlowEpochEnd(tf.keras.callbacks.Callback):
+    """Sleeps 0.3 s after each epoch's last batch, as a slow last step or epoch end (a collective, validation)
+    would take."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.params["steps"] - 1:
+            time.sleep(0.3)
+
+
+def sequence_loader_threads(scope, batch):
+    """sequence_input's Sequence loaded by 2 threads (fit(workers=2): Keras' OrderedEnqueuer) with each epoch's end
+    slowed by 0.3 s, in which the enqueuer, having handed out the epoch's batches, calls on_epoch_end from its own
+    thread before fit's call stops it: the Sequence must still reshuffle once per epoch. The reference loads with
+    one thread (workers=1: no enqueuer), whose single call per epoch is the one a loader thread must not change."""
+    ids, rng = _ids(65)
+    ids, y = ids[:105], rng.normal(size=(105, 1)).astype(np.float32)
+    with scope():
+        model = tf.keras.Sequential([tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB),
+                                     tf.keras.layers.Flatten(), tf.keras.layers.Dense(1)])
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="mse")
+        history = model.fit(ShuffledBatches(ids, y, batch), epochs=3, verbose=0, shuffle=False,
+                            workers=2 if RUN_WORKERS > 1 else 1, callbacks=[_SlowEpochEnd()])
+    model.logged = [np.array(history.history["loss"])]
     return model
 
 
@@ -1784,7 +1812,7 @@ def restore_best_weights(scope, batch):
 PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, mixed_float16_clipped,
                                     clipped_two_optimizers, ratio_metrics, custom_metric_classes, vector_metric_results,
                                     sparse_and_ragged_inputs,
-                                    sequence_input, generator_input,
+                                    sequence_input, sequence_loader_threads, generator_input,
                                     summed_losses, scalar_loss_functions, scalar_metric_functions, added_loss_only,
                                     unreduced_loss, batch_normalization, mixed_float16, mixed_float16_overflow,
                                     mixed_bfloat16, dict_inputs_auc, tf_data_unknown_cardinality, weighted_samples,
