@@ -617,19 +617,25 @@ class ShuffledBatches(tf.keras.utils.Sequence):
         self.order = self.rng.permutation(len(self.x))
 
 
-def sequence_input(scope, batch):
-    """fit on a keras.utils.Sequence of 105 rows, reshuffled by its on_epoch_end: 7 batches of 16 on the workers,
-    an odd count, whose 7th (9 rows) the workers' last batches share (5 + 4), as one process's last batch of 32."""
-    ids, rng = _ids(61)
+def _fit_sequence(scope, batch, seed, **fit_kwargs):
+    """A table into a Dense output fit for 3 epochs on ShuffledBatches of 105 rows of ``_ids(seed)``, its epoch
+    losses and MAEs logged."""
+    ids, rng = _ids(seed)
     ids, y = ids[:105], rng.normal(size=(105, 1)).astype(np.float32)
     with scope():
         model = tf.keras.Sequential([tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB),
                                      tf.keras.layers.Flatten(), tf.keras.layers.Dense(1)])
         _init(model)
         model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="mse", metrics=["mae"])
-        history = model.fit(ShuffledBatches(ids, y, batch), epochs=3, verbose=0, shuffle=False)
+        history = model.fit(ShuffledBatches(ids, y, batch), epochs=3, verbose=0, shuffle=False, **fit_kwargs)
     model.logged = [np.array([history.history["loss"], history.history["mae"]])]
     return model
+
+
+def sequence_input(scope, batch):
+    """fit on a keras.utils.Sequence of 105 rows, reshuffled by its on_epoch_end: 7 batches of 16 on the workers,
+    an odd count, whose 7th (9 rows) the workers' last batches share (5 + 4), as one process's last batch of 32."""
+    return _fit_sequence(scope, batch, 61)
 
 
 class _SlowEpochEnd(tf.keras.callbacks.Callback):
@@ -646,17 +652,7 @@ def sequence_loader_threads(scope, batch):
     slowed by 0.3 s, in which the enqueuer, having handed out the epoch's batches, calls on_epoch_end from its own
     thread before fit's call stops it: the Sequence must still reshuffle once per epoch. The reference loads with
     one thread (workers=1: no enqueuer), whose single call per epoch is the one a loader thread must not change."""
-    ids, rng = _ids(65)
-    ids, y = ids[:105], rng.normal(size=(105, 1)).astype(np.float32)
-    with scope():
-        model = tf.keras.Sequential([tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB),
-                                     tf.keras.layers.Flatten(), tf.keras.layers.Dense(1)])
-        _init(model)
-        model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="mse")
-        history = model.fit(ShuffledBatches(ids, y, batch), epochs=3, verbose=0, shuffle=False,
-                            workers=2 if RUN_WORKERS > 1 else 1, callbacks=[_SlowEpochEnd()])
-    model.logged = [np.array(history.history["loss"])]
-    return model
+    return _fit_sequence(scope, batch, 65, workers=2 if RUN_WORKERS > 1 else 1, callbacks=[_SlowEpochEnd()])
 
 
 def generator_input(scope, batch):
