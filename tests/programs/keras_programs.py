@@ -409,17 +409,17 @@ def batch_normalization(scope, batch):
 
 
 class _Logged(tf.keras.callbacks.Callback):
-    """Keeps every batch's and epoch's logs, in key order."""
+    """Keeps every batch's and epoch's logs, in key order, each flattened (a number, or a metric's array result)."""
 
     def __init__(self):
         super().__init__()
         self.batches, self.epochs = [], []
 
     def on_train_batch_end(self, batch, logs=None):
-        self.batches.append([float(logs[k]) for k in sorted(logs)])
+        self.batches.append(np.concatenate([np.ravel(logs[k]) for k in sorted(logs)]))
 
     def on_epoch_end(self, epoch, logs=None):
-        self.epochs.append([float(logs[k]) for k in sorted(logs)])
+        self.epochs.append(np.concatenate([np.ravel(logs[k]) for k in sorted(logs)]))
 
 
 def _binary_data(seed):
@@ -534,27 +534,13 @@ def custom_metric_classes(scope, batch):
     return model
 
 
-class _LoggedArrays(tf.keras.callbacks.Callback):
-    """Keeps every batch's and epoch's logs, in key order, each flattened (a log may be an array)."""
-
-    def __init__(self):
-        super().__init__()
-        self.batches, self.epochs = [], []
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.batches.append(np.concatenate([np.ravel(logs[k]) for k in sorted(logs)]))
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.epochs.append(np.concatenate([np.ravel(logs[k]) for k in sorted(logs)]))
-
-
 def vector_metric_results(scope, batch):
     """Keras' metrics whose result is not a scalar: F1Score per class (a vector of 3; a binary one's vector of 1)
     next to a macro F1, an IoU and an F-beta, with validation: every batch's and epoch's logs equal one process's."""
     ids, rng = _ids(35)
     labels = rng.integers(0, 3, size=(ROWS,))
     y = {"classes": np.eye(3, dtype=np.float32)[labels], "first": (labels == 0).astype(np.float32)[:, None]}
-    logged = _LoggedArrays()
+    logged = _Logged()
     with scope():
         ids_in = tf.keras.Input((LEN,), dtype=tf.int32)
         h = tf.keras.layers.GlobalAveragePooling1D()(tf.keras.layers.Embedding(VOCAB, EMB)(ids_in))
@@ -1817,7 +1803,8 @@ PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, mixed
                                     tf_data_known_cardinality, backup_and_restore_resume, partial_last_batch,
                                     self_sharded_dataset, partial_last_batch_arrays, odd_batch_count_dataset,
                                     padded_sequences,
-                                    masked_sequence_losses, own_loss_partial_batch, gradient_penalty, tf_distribute_average_loss,
+                                    masked_sequence_losses, own_loss_partial_batch, gradient_penalty,
+                                    tf_distribute_average_loss,
                                     compiled_average_loss, weighted_metrics_sample_weights,
                                     gru_conv1d_evaluate, seq2seq_gru, validation_summed_loss, learning_rate_callbacks,
                                     stop_on_one_worker, layer_running_statistics, stateful_lstm,
