@@ -76,7 +76,8 @@ def over_workers(logs, metrics, iterations, num_workers, name, weight=None, work
     exact = [m for m in metrics if is_additive(m)]
     variables = [v for m in exact for v in m.variables]
     local = [tf.identity(v.read_value()) for v in variables]
-    keys = [k for k, v in logs.items() if _is_float_scalar(v)]
+    from_states = set(result_keys(exact))  # computed from the summed states below: not sent again
+    keys = [k for k, v in logs.items() if _is_float_scalar(v) and k not in from_states]
     payload = [_part(v, value, num_workers, worker_index) for v, value in zip(variables, local)]
     others = [tf.cast(logs[k], tf.float32) for k in keys]
     if weight is not None:
@@ -94,7 +95,7 @@ def over_workers(logs, metrics, iterations, num_workers, name, weight=None, work
     for metric in exact:
         result = metric.result()
         results.update(result if isinstance(result, dict) else {metric.name: result})
-    averaged = {key: summed[offset + i] / float(num_workers) for i, key in enumerate(keys) if key not in results}
+    averaged = {key: summed[offset + i] / float(num_workers) for i, key in enumerate(keys)}
     # A metric's result of any shape (F1Score's per-class vector) is its aggregated states' result.
     for key, value in {**averaged, **{k: v for k, v in results.items() if k in logs}}.items():
         out[key] = tf.identity(tf.cast(value, logs[key].dtype if isinstance(logs[key], (tf.Tensor, tf.Variable))
