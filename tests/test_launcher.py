@@ -275,6 +275,10 @@ def test_a_cluster_file_of_this_host_only_starts_it_without_ssh(tmp_path):
                               "Received: SGD.apply_gradients in the train_step of a model trained with sync=False in "
                               "a job of 2 workers.")),
     ("virtual_batch", "refused: BatchNormalization layer 'vbn' normalizes sub-batches of 2 rows of each worker's batch"),
+    ("autotuned_steps", ("refused at compile: steps_per_execution='auto' is not supported on several workers (2 "
+                         "here)", "Received: steps_per_execution='auto'", "a number: trained",
+                         "refused at fit: steps_per_execution='auto' is not supported",
+                         "Received: model.autotune_steps_per_execution=True")),
     ("shuffle_seeds", ("refused: The workers shuffle the dataset with different seeds, so each keeps its batches of "
                        "its own order", "Received: first shuffle seeds per worker [[", "100], [", "101]]",
                        "one seed: trained")),

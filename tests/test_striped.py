@@ -25,6 +25,9 @@ def test_shards_hold_stripes_and_every_whole_view_is_in_table_order():
         np.testing.assert_array_equal(shard.numpy(), WHOLE[i::P])
     np.testing.assert_array_equal(tf.convert_to_tensor(table).numpy(), WHOLE)
     np.testing.assert_array_equal(table.numpy(), WHOLE)
+    for view in (np.asarray(table), np.array(table, dtype=np.float64), table.read_value(), table.value()):
+        np.testing.assert_array_equal(view, WHOLE)  # NumPy sees the values (was a 0-d object array)
+    assert np.asarray(table).dtype == np.float32 and table.trainable
     np.testing.assert_array_equal(table[2:5].numpy(), WHOLE[2:5])
     np.testing.assert_array_equal((table * 2).numpy(), WHOLE * 2)
     np.testing.assert_array_equal(table.sparse_read(IDS).numpy(), WHOLE[IDS])

@@ -8,8 +8,9 @@ Striping (TensorFlow 1's ``partition_strategy="mod"``) gives each shard every P-
 ``StripedVariable`` is a ``ShardedVariable`` whose every whole-table view uses the striped layout:
   - ``tf.nn.embedding_lookup`` (and its v1, sparse and safe-sparse forms) gathers row ``id`` from shard
     ``id % P`` at ``id // P``, so each shard gets its own ``IndexedSlices`` gradient (only touched rows);
-  - tensor conversion, operators, ``numpy()``, ``__getitem__``, ``sparse_read``, ``assign*`` and ``scatter_*``
-    see the rows in table order;
+  - tensor conversion, operators, ``numpy()``, NumPy's ``np.asarray``, ``read_value()``, ``value()``,
+    ``__getitem__``, ``sparse_read``, ``assign*`` and ``scatter_*`` see the rows in table order (iterating it
+    yields the shards, as ``ShardedVariable``'s does: Keras' ``add_weight`` relies on that);
   - ``tf.train.Checkpoint`` saves the table whole (a plain process restores it) and restores it into stripes.
 Writing it to a SavedModel directly is refused (``model.save`` / ``export`` under the strategy write tables whole).
 
@@ -104,6 +105,22 @@ class StripedVariable(_sharded.ShardedVariable):
 
     def numpy(self):
         return self.whole().numpy()
+
+    def __array__(self, dtype=None):
+        # As a plain variable's: NumPy (np.asarray, np.save) sees the table's values, not a 0-d object array.
+        return np.asarray(self.numpy(), dtype=dtype)
+
+    def read_value(self):
+        """The table as one tensor, rows in table order (a plain variable's ``read_value``)."""
+        return self.whole()
+
+    def value(self):
+        """The table as one tensor, rows in table order (a plain variable's ``value``)."""
+        return self.whole()
+
+    @property
+    def trainable(self):
+        return all(v.trainable for v in self._variables)
 
     def __getitem__(self, slice_spec):
         return self.whole()[slice_spec]

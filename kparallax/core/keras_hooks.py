@@ -253,6 +253,8 @@ def _compile(model, *args, **kwargs):
     if bound.arguments.get("jit_compile"):
         raise ValueError("jit_compile=True is not supported under HybridStrategy (XLA cannot compile the remote "
                          "PS ops of a training step). Received: jit_compile=True. Leave it unset or False.")
+    _check_fixed_steps_per_execution(strategy, bound.arguments.get("steps_per_execution") == "auto",
+                                     "steps_per_execution='auto'")
     if strategy.options.sync and strategy.num_workers > 1:
         batch_norm.check(model, strategy.num_workers, strategy.options.sync_batch_norm)
     optimizer, step, clones = strategy.make_optimizer(bound.arguments["optimizer"])
@@ -485,8 +487,23 @@ def _guard_tracking(strategy, model, optimizer):
         routing.__dict__["_kp_tracking_check"] = saving.refuse_direct_tracking
 
 
+def _check_fixed_steps_per_execution(strategy, autotuned, received):
+    """Refuses Keras' tuning of ``steps_per_execution`` (``compile(steps_per_execution="auto")``, or
+    ``model.autotune_steps_per_execution = True``) on several workers: its thread changes the number on each worker
+    from that worker's own timing, so the workers' executions, and the steps Keras counts in them, part ways (seen: a
+    2-worker ``fit`` hung where one process trains in seconds)."""
+    if autotuned and strategy.num_workers > 1:
+        raise ValueError(
+            f"steps_per_execution='auto' is not supported on several workers ({strategy.num_workers} here): Keras' "
+            "tuner changes it on each worker from that worker's own timing, and the workers' steps would no longer "
+            f"line up. Received: {received}. Pass a number, e.g. steps_per_execution=8 (the same on every worker), "
+            "and leave autotune_steps_per_execution False.")
+
+
 def _fit(original, model, *args, **kwargs):
     strategy = compiled(model).strategy
+    _check_fixed_steps_per_execution(strategy, getattr(model, "autotune_steps_per_execution", False),
+                                     "model.autotune_steps_per_execution=True")
     _guard_tracking(strategy, model, model.optimizer)  # a model built by its first call: now it has its variables
     bound = inspect.signature(original).bind(model, *args, **kwargs)
     bound.apply_defaults()

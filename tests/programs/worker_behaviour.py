@@ -158,6 +158,28 @@ if mode == "virtual_batch":
             print(f"refused: {e}", flush=True)
         else:
             sys.exit("virtual_batch_size trained on per-worker sub-batches silently")
+if mode == "autotuned_steps":
+    # Keras' tuner would change steps_per_execution on each worker from its own timing (a 2-worker fit hung).
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(1)])
+        try:
+            model.compile(optimizer="sgd", loss="mse", steps_per_execution="auto")
+        except ValueError as e:
+            print(f"refused at compile: {e}", flush=True)
+        else:
+            sys.exit("steps_per_execution='auto' compiled on several workers")
+        model.compile(optimizer="sgd", loss="mse", steps_per_execution=2)
+        model.fit(np.zeros((16, 3)), np.zeros((16, 1)), batch_size=4, verbose=0)
+        print("a number: trained", flush=True)
+        model.autotune_steps_per_execution = True
+        try:
+            model.fit(np.zeros((16, 3)), np.zeros((16, 1)), batch_size=4, verbose=0)
+        except ValueError as e:
+            print(f"refused at fit: {e}", flush=True)
+        else:
+            sys.exit("autotune_steps_per_execution trained on several workers")
 if mode == "unaggregated_state":
     # A layer's running mean of its input, assigned in the step with Keras' default aggregation (NONE): worker 0's
     # rows have mean 3, worker 1's mean 4, so each worker's copy would move its own way.
