@@ -923,6 +923,50 @@ def test_strategy_load_model_goes_on_training_as_the_plain_loaded_model(strategy
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def _tower(name):
+    """A tower of a two-tower model: ids -> table -> mean -> Dense(3)."""
+    ids = tf.keras.Input((LEN,), dtype=tf.int32)
+    pooled = tf.keras.layers.GlobalAveragePooling1D()(tf.keras.layers.Embedding(VOCAB, EMB, name=f"{name}_emb")(ids))
+    return tf.keras.Model(ids, tf.keras.layers.Dense(3, name=f"{name}_proj")(pooled), name=name)
+
+
+@pytest.mark.parametrize("partitions", [1, 3])
+def test_an_uncompiled_tower_saves_and_loads_its_tables_whole(strategy, tmp_path, partitions):
+    """The tower of a two-tower model (compiled and trained as part of the pair, never itself): save (.keras, .h5,
+    SavedModel), save_weights (.h5, TensorFlow format) and export write its table whole, so a plain model loads each
+    file and predicts as the trained tower; load_weights reads the table back into its stripes. Before, with 3
+    stripes, the files held them as three weights that plain Keras refused to load, and the SavedModel was
+    refused."""
+    x, other = _data()[0], np.flip(_data()[0], axis=0).copy()
+    parted = kp.HybridStrategy(strategy.cluster, partitions=partitions)
+    with parted.scope():
+        tower = _tower(f"fast_tower{partitions}")
+        pair = tf.keras.Model(
+            [tower.input, ids := tf.keras.Input((LEN,), dtype=tf.int32)],
+            tf.keras.layers.Dot(axes=1)([tower.output, tower(ids)]))
+        pair.compile(optimizer="adam", loss="mse")
+        pair.fit([x, other], np.linspace(0, 1, len(x), dtype=np.float32), batch_size=16, verbose=0)
+    table = tower.get_layer(f"fast_tower{partitions}_emb").embeddings
+    assert parted.is_ps_variable(table.variables[0] if partitions > 1 else table)
+    want = tower.predict(x, verbose=0)
+    plain = _tower(f"fast_tower{partitions}")  # outside the scope: a plain model
+    for path in ("tower.keras", "tower.h5", "tower_saved_model"):
+        tower.save(str(tmp_path / path))
+        loaded = tf.keras.models.load_model(str(tmp_path / path), compile=False)
+        assert [w.shape for w in loaded.get_weights()] == [w.shape for w in plain.get_weights()], path
+        np.testing.assert_allclose(loaded.predict(x, verbose=0), want, rtol=1e-5, atol=1e-6, err_msg=path)
+    tower.export(str(tmp_path / "exported"))
+    exported = tf.saved_model.load(str(tmp_path / "exported"))  # held: its variables live as long as it does
+    np.testing.assert_allclose(exported.serve(tf.constant(x)).numpy(), want, rtol=1e-5, atol=1e-6)
+    for path in ("weights.h5", "weights_tf"):
+        tower.save_weights(str(tmp_path / path))
+        plain.load_weights(str(tmp_path / path))
+        np.testing.assert_allclose(plain.predict(x, verbose=0), want, rtol=1e-5, atol=1e-6, err_msg=path)
+        table.assign(np.zeros((VOCAB, EMB), np.float32))
+        tower.load_weights(str(tmp_path / path))
+        np.testing.assert_allclose(tower.predict(x, verbose=0), want, rtol=1e-5, atol=1e-6, err_msg=path)
+
+
 def test_strategy_load_model_without_compiling_gives_the_weights_on_the_ps(strategy, tmp_path):
     plain = _model("plain_uncompiled_load")
     plain.set_weights(_initial(plain))

@@ -135,6 +135,8 @@ def install(strategy):
     keras_compat.Model.compile = compile
     for name, whole in (("get_weights", _layer_get_weights), ("set_weights", _layer_set_weights)):
         setattr(keras_compat.Model, name, _whole_tables_before_compile(getattr(keras_compat.Model, name), whole))
+    for name in ("save", "save_weights", "export", "load_weights"):
+        setattr(keras_compat.Model, name, _saved_whole_uncompiled(getattr(keras_compat.Model, name)))
     for base in (keras_compat.NewOptimizer, keras_compat.LegacyOptimizer):
         base.apply_gradients = _only_owned_optimizers_in_jobs(base.apply_gradients)
     batch_norm.install()
@@ -197,6 +199,26 @@ def _whole_tables_before_compile(original, whole):
                 if any(strategy.registry.table_of(v) for v in weights):
                     return whole(strategy, self, *args, **kwargs)
         return original(self, *args, **kwargs)
+    return method
+
+
+def _saved_whole_uncompiled(original):
+    """``Model.save`` / ``save_weights`` / ``export`` / ``load_weights`` of a model holding PS variables that was
+    not compiled under a strategy (compiled models have their own bound methods): the tower of a two-tower model,
+    a model built from trained layers to serve. They act as a compiled model's do (``saving``): partitioned tables
+    written and read whole, files written by worker 0 only. Before, such a file held a table's stripes as separate
+    weights, which a plain process refused to load (a SavedModel was refused)."""
+    loads = original.__name__ == "load_weights"
+
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+        weights = self.weights if _STRATEGIES else []
+        holders = [s for s in list(_STRATEGIES) if any(s.is_ps_variable(v) for v in weights)]
+        if not holders:
+            return original(self, *args, **kwargs)
+        if loads:
+            return saving.load_weights(original, holders[0], None, self, *args, **kwargs)
+        return saving.save(original, holders[0], self, *args, **kwargs)
     return method
 
 

@@ -3,7 +3,9 @@
 ``model.save`` (``.keras``, ``.h5``, SavedModel), ``save_weights``, ``export`` and ``load_weights`` are bound per
 model (``keras_hooks``) to these functions: for the duration of the call each partitioned table is one ordinary
 local variable holding the whole table, so the files are what a plain process would write and load in a process
-that has never imported kparallax. Only worker 0 writes files.
+that has never imported kparallax. Only worker 0 writes files. A model holding PS variables that was not compiled
+under the strategy (a two-tower model's tower) gets ``save`` and ``load_weights`` through Keras' ``Model`` class
+(``keras_hooks._saved_whole_uncompiled``): its own weights only, as plain Keras saves an uncompiled model.
 """
 
 import contextlib
@@ -154,9 +156,10 @@ def load_weights(original, strategy, clones, model, *args, **kwargs):
     A TensorFlow-format checkpoint also holds the optimizer state (``save_weights`` writes it as one process
     would): for the call, ``model.optimizer`` is the plain optimizer ``save_with_optimizer`` would write, Keras
     restores into it, and its state goes back to the optimizer Keras trains with and (worker 0) the PS-side
-    clones, so training goes on as one process's would after ``load_weights``."""
+    clones, so training goes on as one process's would after ``load_weights``. ``clones`` None: a model not compiled
+    under the strategy, whose weights alone are read."""
     filepath = args[0] if args else kwargs.get("filepath")
-    if model.optimizer is not None and _is_tf_checkpoint(filepath):
+    if clones is not None and model.optimizer is not None and _is_tf_checkpoint(filepath):
         with whole_state(strategy, model, clones, restore=True):
             result = original(model, *args, **kwargs)
     else:
