@@ -1,4 +1,6 @@
 import logging
+import re
+import time
 
 import numpy as np
 import pytest
@@ -214,6 +216,48 @@ def test_a_dataset_shuffled_without_a_seed_is_refused_and_a_seeded_one_is_split_
         assert sorted(np.concatenate(rows).tolist()) == list(range(40))
         assert rows[0].tolist() != sorted(rows[0].tolist())  # shuffled
     tf.random.set_seed(None)
+
+
+def _slow_row(x):
+    time.sleep(np.random.default_rng().uniform(0, 0.002))  # uneven work per row, as files of different sizes take
+    return x
+
+
+def test_a_dataset_built_to_give_rows_out_of_order_is_refused_and_an_ordered_one_is_not():
+    """Each worker runs the pipeline itself and keeps its batches of that run: an interleave with
+    deterministic=False gave the two workers' runs different orders (a row trained twice, another missed, in an
+    epoch); so can a parallel map or batch with deterministic=False, or any of them under
+    Options.deterministic=False."""
+    def rows(parallel):
+        return tf.data.Dataset.range(64).interleave(
+            lambda x: tf.data.Dataset.from_tensors(x).map(lambda y: tf.py_function(_slow_row, [y], tf.int64)),
+            cycle_length=4, num_parallel_calls=4 if parallel else None, deterministic=False if parallel else None)
+
+    runs = [np.concatenate(list(rows(True).batch(4).shard(2, worker).as_numpy_iterator())) for worker in range(2)]
+    if len(set(np.concatenate(runs).tolist())) == 64:  # one pair of runs may happen to agree: try once more
+        runs = [np.concatenate(list(rows(True).batch(4).shard(2, worker).as_numpy_iterator())) for worker in range(2)]
+    assert len(set(np.concatenate(runs).tolist())) < 64, "the workers' runs split one order: nothing to refuse"
+    unordered_options = tf.data.Options()
+    unordered_options.deterministic = False
+    for dataset, received in (
+            (rows(True).batch(4), "interleave(deterministic=False)"),
+            (tf.data.Dataset.range(64).map(lambda x: x, num_parallel_calls=2, deterministic=False).batch(4),
+             "map(deterministic=False)"),
+            (tf.data.Dataset.range(64).batch(4, num_parallel_calls=2, deterministic=False).prefetch(1),
+             "batch(deterministic=False)"),
+            (tf.data.Dataset.range(64).map(lambda x: x, num_parallel_calls=2).batch(4).with_options(unordered_options),
+             "map(...) under tf.data.Options.deterministic=False")):
+        with pytest.raises(ValueError, match=r"another order each time it runs.*Received: a dataset with " +
+                           re.escape(received)):
+            data.shard_dataset(dataset, 2, 0, steps_per_epoch=8)
+        assert len(list(data.shard_dataset(dataset, 1, 0, steps_per_epoch=16))) == 16  # one worker: any order
+    ordered = [rows(False).batch(4), tf.data.Dataset.range(64).map(lambda x: x, num_parallel_calls=2).batch(4),
+               tf.data.Dataset.range(64).interleave(tf.data.Dataset.from_tensors, cycle_length=2,
+                                                    num_parallel_calls=2).batch(4)]
+    for dataset in ordered:
+        parts = [np.concatenate(list(data.shard_dataset(dataset, 2, w, steps_per_epoch=8).as_numpy_iterator()))
+                 for w in range(2)]
+        assert sorted(np.concatenate(parts).tolist()) == list(range(64))
 
 
 def test_batches_may_differ_in_size_only_for_datasets_without_a_fixed_batch_dimension():

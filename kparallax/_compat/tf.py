@@ -15,6 +15,7 @@ from tensorflow.python.distribute import sharded_variable as _sharded
 from tensorflow.python.eager import backprop as _backprop
 from tensorflow.python.eager import context as _context
 from tensorflow.python.eager import record as _record
+from tensorflow.python.data.ops import interleave_op as _interleave_op
 from tensorflow.python.framework import func_graph as _func_graph
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import gen_resource_variable_ops as _gen_rv
@@ -404,6 +405,51 @@ def order_seeds(dataset):
     if type(dataset).__name__ not in ("_ShuffleDataset", "_RandomDataset"):
         return None
     return _static_int(dataset._seed), _static_int(dataset._seed2)  # pylint: disable=protected-access
+
+
+def _recording_interleave_order():
+    """Makes the dataset of ``Dataset.interleave(..., num_parallel_calls=...)`` keep its ``deterministic`` argument
+    as ``_kp_deterministic`` ("default", "true", "false"), as tf.data's parallel ``map`` and ``batch`` datasets keep
+    theirs as ``_deterministic``: TF 2.15's ``_ParallelInterleaveDataset`` gives it to its op only. Wraps that private
+    class's ``__init__`` (idempotent)."""
+    cls = _interleave_op._ParallelInterleaveDataset  # pylint: disable=protected-access
+    original = cls.__init__
+    if getattr(original, "kp_records_order", False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        deterministic = signature.bind(self, *args, **kwargs).arguments.get("deterministic")
+        self._kp_deterministic = "default" if deterministic is None else "true" if deterministic else "false"
+        original(self, *args, **kwargs)
+
+    __init__.kp_records_order = True
+    cls.__init__ = __init__
+
+
+_recording_interleave_order()
+_UNORDERED_NAMES = {"_ParallelMapDataset": "map", "_ParallelInterleaveDataset": "interleave",
+                    "_ParallelBatchDataset": "batch", "ParallelInterleaveDataset": "parallel_interleave",
+                    "_ParseExampleDataset": "parse_example_dataset"}
+
+
+def unordered(dataset):
+    """What in ``dataset``'s chain may give its elements out of order, as ``"interleave(deterministic=False)"``
+    strings: a parallel ``map`` / ``interleave`` / ``batch`` (or a legacy ``parallel_interleave(sloppy=True)``,
+    ``parse_example_dataset``) built with ``deterministic=False``, or left at the default while the dataset's
+    options say ``deterministic=False``. Reads their private ``_deterministic`` (TF 2.15) or the ``_kp_deterministic``
+    recorded above; an ``interleave`` built before kparallax was imported is not seen."""
+    options_unordered = dataset.options().deterministic is False
+    found = []
+    for part in dataset_chain(dataset):
+        flag = getattr(part, "_deterministic", None) or getattr(part, "_kp_deterministic", None)
+        name = _UNORDERED_NAMES.get(type(part).__name__, type(part).__name__)
+        if flag == "false":
+            found.append(f"{name}(deterministic=False)")
+        elif flag == "default" and options_unordered:
+            found.append(f"{name}(...) under tf.data.Options.deterministic=False")
+    return found
 
 
 # Datasets that give their input's elements as they are; and those that give one element per element of their

@@ -303,8 +303,9 @@ def is_per_worker(x):
 def _check_shardable(dataset, num_workers):
     """Refuses a dataset that splitting by whole batches would not split into the workers' parts of one order: one
     already sharded into ``num_workers`` parts (Horovod's ``dataset.shard(hvd.size(), hvd.rank())``: each worker
-    would keep 1/N of its part), or one shuffled without a seed (each worker would draw its own order, so their
-    batches would overlap: an epoch would train on some rows twice and miss others)."""
+    would keep 1/N of its part), or one shuffled without a seed or built to give its elements out of order
+    (``deterministic=False``): each worker would draw its own order, so their batches would overlap, and an epoch
+    would train on some rows twice and miss others."""
     if num_workers < 2:
         return
     chain = tf_compat.dataset_chain(dataset)
@@ -318,6 +319,14 @@ def _check_shardable(dataset, num_workers):
                 f"index={shard[1]}). Remove the shard, or keep it and mark the dataset with "
                 "kparallax.data.per_worker(dataset) (or tf.data.Options().experimental_distribute.auto_shard_policy "
                 "= AutoShardPolicy.OFF) so fit uses it as it is.")
+    unordered = tf_compat.unordered(dataset)
+    if unordered:
+        raise ValueError(
+            "The dataset may give its elements in another order each time it runs, and fit splits each worker's own "
+            "run of it by whole batches (worker i keeps batches i, i+N, ...): the workers' batches would overlap, and "
+            "an epoch would train on some rows twice and miss others (seen: 29 of 256 rows with an interleave). "
+            f"Received: a dataset with {', '.join(unordered)}. Leave deterministic at its default (True), or shard "
+            "the dataset yourself, per worker, and mark it with kparallax.data.per_worker(dataset).")
     if any(tf_compat.order_seeds(part) == (0, 0) for part in chain):  # no seed, no global seed: random per process
         raise ValueError(
             "The dataset is shuffled (or sampled: Dataset.random, sample_from_datasets) without a seed, so each "
