@@ -131,6 +131,35 @@ def test_hooks_are_per_model_instance(strategy):
     assert "fit" in inside.__dict__ and "get_weights" in inside.get_layer("fast_inside_embedding").__dict__
 
 
+def _wide_deep():
+    """Keras' premade WideDeepModel (a LinearModel and a DNN), built by its first call; seeded initializers."""
+    seeded = tf.keras.initializers.GlorotUniform
+    linear = tf.keras.experimental.LinearModel(units=1, kernel_initializer=seeded(1))
+    dnn = tf.keras.Sequential([tf.keras.layers.Dense(4, "relu", kernel_initializer=seeded(2)),
+                               tf.keras.layers.Dense(1, kernel_initializer=seeded(3))])
+    return tf.keras.experimental.WideDeepModel(linear, dnn)
+
+
+def test_a_wide_deep_model_compiles_outside_the_scope_and_its_optimizer_list_is_refused_inside(strategy):
+    """Keras' WideDeepModel before its first call: compiled outside the scope while a strategy exists, it is plain
+    Keras' (before: compile failed, listing the weights of its LinearModel not built yet); inside, one optimizer
+    trains it as plain Keras does, and a list of two (one per part, Keras' option) is refused with the fix."""
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(64, 5)).astype(np.float32), rng.normal(size=(64, 1)).astype(np.float32)
+    plain = _wide_deep()
+    plain.compile(tf.keras.optimizers.Adam(0.01), "mse")
+    plain.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    with strategy.scope():
+        listed = _wide_deep()
+        with pytest.raises(TypeError, match=r"A list of optimizers .*Received: optimizer=list of 2 optimizers"):
+            listed.compile([tf.keras.optimizers.SGD(0.05), tf.keras.optimizers.Adam(0.01)], "mse")
+        model = _wide_deep()
+        model.compile(tf.keras.optimizers.Adam(0.01), "mse")
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    for got, want in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_compiling_a_model_with_ps_variables_outside_the_scope_is_refused(strategy):
     with strategy.scope():
         model = _model("fast_refused")

@@ -7,7 +7,8 @@ tables with sparse gradients, moved onto the PS), metrics added with add_metric 
 and means over the batch on a partial last batch),
 a train_on_batch loop from per-worker
 random initializations, steps_per_execution on a partial last batch, a second fit with another batch size and a
-class_weight, EarlyStopping restoring the best weights beside ModelCheckpoint(save_best_only)) on 2 workers + 1 PS equal the same programs in one plain process on
+class_weight, EarlyStopping restoring the best weights beside ModelCheckpoint(save_best_only), Keras'
+premade WideDeepModel) on 2 workers + 1 PS equal the same programs in one plain process on
 the global batch (issue 14)."""
 
 import os

@@ -38,9 +38,11 @@ DEFAULT_BATCH_SIZE = 32
 def weights_created(model):
     """Whether Keras lists ``model``'s variables: Keras 2.15 raises ``ValueError: Weights for model ... have not yet
     been created`` for a model not built yet whose class defines ``build`` (a ``Sequential`` model without an input
-    shape, before its first call), where plain Keras' ``compile`` and ``fit`` never ask."""
+    shape, before its first call), where plain Keras' ``compile`` and ``fit`` never ask; so does listing a built
+    model holding such a model (a ``WideDeepModel``'s ``LinearModel`` before the first call)."""
     try:
         model._assert_weights_created()  # pylint: disable=protected-access
+        model.weights  # pylint: disable=pointless-statement
     except ValueError:
         return False
     return True
@@ -52,6 +54,12 @@ def optimizer_family(optimizer):
         return "legacy"
     if isinstance(optimizer, NewOptimizer):
         return "new"
+    if isinstance(optimizer, (list, tuple)):
+        raise TypeError(
+            "A list of optimizers in compile (Keras' WideDeepModel: one for its linear model, one for its DNN) is "
+            f"not supported under HybridStrategy. Received: optimizer={type(optimizer).__name__} of "
+            f"{len(optimizer)} optimizers. Pass one optimizer; or give a train_step of your own a second optimizer "
+            "for replicated variables (compile(optimizer=..., **kwargs) stores it; see the README).")
     raise TypeError(
         "kparallax supports tf.keras optimizers (tf.keras.optimizers.* or tf.keras.optimizers.legacy.*). "
         f"Received: {type(optimizer).__name__} from module {type(optimizer).__module__}.")

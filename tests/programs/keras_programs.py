@@ -1691,6 +1691,28 @@ class _BuiltByItsFirstCall(tf.keras.Model):
         return self.out(self.statistics(tf.concat([pooled, self.hidden(features)], 1), training=training))
 
 
+def wide_deep_premade(scope, batch):
+    """Keras' premade WideDeepModel: a LinearModel on dense features and a DNN over a table, both built by the
+    first step from seeded initializers; a sigmoid output with accuracy and AUC, one Adam (a list of optimizers, one
+    per part, is refused: test_in_process_ps.py)."""
+    ids, rng = _ids(71)
+    features = rng.normal(size=(ROWS, 5)).astype(np.float32)
+    y = (rng.uniform(size=(ROWS, 1)) > 0.5).astype(np.float32)
+    seeded = tf.keras.initializers.GlorotUniform
+    with scope():
+        linear = tf.keras.experimental.LinearModel(units=1, kernel_initializer=seeded(1))
+        dnn = tf.keras.Sequential([
+            tf.keras.layers.Embedding(VOCAB, EMB, embeddings_initializer=tf.keras.initializers.RandomNormal(seed=3)),
+            tf.keras.layers.GlobalAveragePooling1D(), tf.keras.layers.Dense(4, "relu", kernel_initializer=seeded(2)),
+            tf.keras.layers.Dense(1, kernel_initializer=seeded(4))])
+        model = tf.keras.experimental.WideDeepModel(linear, dnn, activation="sigmoid")
+        model.compile(tf.keras.optimizers.Adam(0.02), "binary_crossentropy",
+                      metrics=["accuracy", tf.keras.metrics.AUC()])
+        history = model.fit([features, ids], y, batch_size=batch, epochs=2, verbose=0, shuffle=False)
+    model.logged = [np.array([history.history[key] for key in sorted(history.history)])]
+    return model
+
+
 def built_by_first_step(scope, batch):
     """Models whose variables Keras creates in fit's first step, from its own random initialization seeded
     differently on each worker (worker 0's seed is the one process's): a Sequential model without an input shape
@@ -1812,6 +1834,7 @@ PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, mixed
                                     fine_tuning, own_compute_loss, own_embedding_layer,
                                     added_metrics, tracked_train_step, multi_output, transformer_lm,
                                     steps_per_execution_partial, second_fit_other_batch, restore_best_weights,
+                                    wide_deep_premade,
                                     built_by_first_step, train_on_batch_loop)}  # last two: they seed Keras' RNG
 
 
