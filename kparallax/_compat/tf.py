@@ -10,12 +10,12 @@ import inspect
 import sys
 
 import tensorflow as tf
+from tensorflow.python.data.ops import interleave_op as _interleave_op
 from tensorflow.python.distribute import distribute_lib as _distribute_lib
 from tensorflow.python.distribute import sharded_variable as _sharded
 from tensorflow.python.eager import backprop as _backprop
 from tensorflow.python.eager import context as _context
 from tensorflow.python.eager import record as _record
-from tensorflow.python.data.ops import interleave_op as _interleave_op
 from tensorflow.python.framework import func_graph as _func_graph
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import gen_resource_variable_ops as _gen_rv

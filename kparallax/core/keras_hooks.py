@@ -212,7 +212,8 @@ def _saved_whole_uncompiled(original):
 
     @functools.wraps(original)
     def method(self, *args, **kwargs):
-        weights = self.weights if _STRATEGIES else []
+        # A model not built yet has no PS variables, and Keras' load_weights may restore into it later (deferred).
+        weights = self.weights if _STRATEGIES and keras_compat.weights_created(self) else []
         holders = [s for s in list(_STRATEGIES) if any(s.is_ps_variable(v) for v in weights)]
         if not holders:
             return original(self, *args, **kwargs)
