@@ -374,6 +374,21 @@ def layer_being_built(max_depth=40):
     return None
 
 
+def state_being_reset(max_depth=40):
+    """The Keras layer whose ``reset_states`` is on the call stack (innermost), or None: a stateful RNN (``LSTM``,
+    ``GRU``, ``ConvLSTM2D``, ... with ``stateful=True``) makes its state variables there (``trainable`` by
+    ``tf.Variable``'s default, though no optimizer trains them)."""
+    frame = sys._getframe(1)  # pylint: disable=protected-access
+    depth = 0
+    while frame is not None and depth < max_depth:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, Layer) and frame.f_code.co_name == "reset_states":
+            return owner
+        frame = frame.f_back
+        depth += 1
+    return None
+
+
 def keras_loader_on_stack(max_depth=200):
     """``"tf.keras.models.load_model"`` if Keras' model loader (any format) is on the call stack, else None."""
     frame = sys._getframe(1)  # pylint: disable=protected-access
