@@ -361,32 +361,29 @@ def learning_rate_value(clone, value):
         _put_rate(clone, saved)
 
 
-def layer_being_built(max_depth=40):
-    """The Keras layer whose ``build`` / ``add_weight`` is on the call stack (innermost), or None."""
-    frame = sys._getframe(1)  # pylint: disable=protected-access
+def _layer_in(methods, max_depth):
+    """The Keras layer one of whose ``methods`` is on the call stack (innermost), or None."""
+    frame = sys._getframe(2)  # pylint: disable=protected-access
     depth = 0
     while frame is not None and depth < max_depth:
         owner = frame.f_locals.get("self")
-        if isinstance(owner, Layer) and frame.f_code.co_name in ("build", "add_weight"):
+        if isinstance(owner, Layer) and frame.f_code.co_name in methods:
             return owner
         frame = frame.f_back
         depth += 1
     return None
+
+
+def layer_being_built(max_depth=40):
+    """The Keras layer whose ``build`` / ``add_weight`` is on the call stack (innermost), or None."""
+    return _layer_in(("build", "add_weight"), max_depth)
 
 
 def state_being_reset(max_depth=40):
     """The Keras layer whose ``reset_states`` is on the call stack (innermost), or None: a stateful RNN (``LSTM``,
     ``GRU``, ``ConvLSTM2D``, ... with ``stateful=True``) makes its state variables there (``trainable`` by
     ``tf.Variable``'s default, though no optimizer trains them)."""
-    frame = sys._getframe(1)  # pylint: disable=protected-access
-    depth = 0
-    while frame is not None and depth < max_depth:
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, Layer) and frame.f_code.co_name == "reset_states":
-            return owner
-        frame = frame.f_back
-        depth += 1
-    return None
+    return _layer_in(("reset_states",), max_depth)
 
 
 def keras_loader_on_stack(max_depth=200):
