@@ -18,6 +18,7 @@
 import contextlib
 import random
 import sys
+import typing
 
 import tensorflow as tf
 
@@ -361,29 +362,35 @@ def learning_rate_value(clone, value):
         _put_rate(clone, saved)
 
 
-def _layer_in(methods, max_depth):
-    """The Keras layer one of whose ``methods`` is on the call stack (innermost), or None."""
-    frame = sys._getframe(2)  # pylint: disable=protected-access
+class LayersOnStack(typing.NamedTuple):
+    """The Keras layers whose methods are on the call stack when a variable is created (each the innermost, or None).
+
+    Attributes:
+      built: the layer whose ``build`` / ``add_weight`` is running.
+      resetting: the layer whose ``reset_states`` is running: a stateful RNN (``LSTM``, ``GRU``, ``ConvLSTM2D``, ...
+        with ``stateful=True``) makes its state variables there (``trainable`` by ``tf.Variable``'s default, though
+        no optimizer trains them).
+    """
+    built: object
+    resetting: object
+
+
+def layers_on_stack(max_depth=40):
+    """The ``LayersOnStack`` of the caller's call stack, found in one walk of its ``max_depth`` innermost frames."""
+    built = resetting = None
+    frame = sys._getframe(1)  # pylint: disable=protected-access
     depth = 0
-    while frame is not None and depth < max_depth:
+    while frame is not None and depth < max_depth and (built is None or resetting is None):
         owner = frame.f_locals.get("self")
-        if isinstance(owner, Layer) and frame.f_code.co_name in methods:
-            return owner
+        if isinstance(owner, Layer):
+            name = frame.f_code.co_name
+            if built is None and name in ("build", "add_weight"):
+                built = owner
+            elif resetting is None and name == "reset_states":
+                resetting = owner
         frame = frame.f_back
         depth += 1
-    return None
-
-
-def layer_being_built(max_depth=40):
-    """The Keras layer whose ``build`` / ``add_weight`` is on the call stack (innermost), or None."""
-    return _layer_in(("build", "add_weight"), max_depth)
-
-
-def state_being_reset(max_depth=40):
-    """The Keras layer whose ``reset_states`` is on the call stack (innermost), or None: a stateful RNN (``LSTM``,
-    ``GRU``, ``ConvLSTM2D``, ... with ``stateful=True``) makes its state variables there (``trainable`` by
-    ``tf.Variable``'s default, though no optimizer trains them)."""
-    return _layer_in(("reset_states",), max_depth)
+    return LayersOnStack(built, resetting)
 
 
 def keras_loader_on_stack(max_depth=200):

@@ -193,11 +193,10 @@ def _whole_tables_before_compile(original, whole):
 
     @functools.wraps(original)
     def method(self, *args, **kwargs):
-        if not getattr(_LOCAL, "in_weights", False) and _STRATEGIES:
-            weights = self.weights
-            for strategy in list(_STRATEGIES):
-                if any(strategy.registry.table_of(v) for v in weights):
-                    return whole(strategy, self, *args, **kwargs)
+        if not getattr(_LOCAL, "in_weights", False):
+            strategy = _owning_strategy(self, lambda s, v: s.registry.table_of(v))
+            if strategy is not None:
+                return whole(strategy, self, *args, **kwargs)
         return original(self, *args, **kwargs)
     return method
 
@@ -212,15 +211,23 @@ def _saved_whole_uncompiled(original):
 
     @functools.wraps(original)
     def method(self, *args, **kwargs):
-        # A model not built yet has no PS variables, and Keras' load_weights may restore into it later (deferred).
-        weights = self.weights if _STRATEGIES and keras_compat.weights_created(self) else []
-        holders = [s for s in list(_STRATEGIES) if any(s.is_ps_variable(v) for v in weights)]
-        if not holders:
+        strategy = _owning_strategy(self, lambda s, v: s.is_ps_variable(v))
+        if strategy is None:
             return original(self, *args, **kwargs)
         if loads:
-            return saving.load_weights(original, holders[0], None, self, *args, **kwargs)
-        return saving.save(original, holders[0], self, *args, **kwargs)
+            return saving.load_weights(original, strategy, None, self, *args, **kwargs)
+        return saving.save(original, strategy, self, *args, **kwargs)
     return method
+
+
+def _owning_strategy(model, owns):
+    """The strategy one of whose variables (``owns(strategy, variable)``) ``model`` holds, or None. A model whose
+    weights are not all created yet holds none: Keras may still build it (a premade model's parts) or restore into
+    it later (a deferred ``load_weights``), and listing its weights would raise."""
+    if not _STRATEGIES or not keras_compat.weights_created(model):
+        return None
+    weights = model.weights
+    return next((s for s in list(_STRATEGIES) if any(owns(s, v) for v in weights)), None)
 
 
 @contextlib.contextmanager

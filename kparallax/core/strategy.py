@@ -235,7 +235,8 @@ class HybridStrategy:
                 f"{kwargs.get('name')!r} created by {loader}. Use `model = strategy.load_model(path)` on every "
                 "worker (inside or outside the scope), or build the model in the scope and call model.load_weights.")
         path = tf_compat.full_variable_name(kwargs.get("name"))
-        stateful = keras_compat.state_being_reset()
+        layers = keras_compat.layers_on_stack()
+        stateful = layers.resetting
         if stateful is not None:
             # Each worker's own rows of the batch, as BatchNormalization's statistics are; shared on a PS (under
             # "ps"), every worker overwrote the others' state (a stateful LSTM: 2.4e-4 off one process, silently).
@@ -252,7 +253,7 @@ class HybridStrategy:
             initial_value() if callable(initial_value) else initial_value).dtype
         # Keras' step counters (int64 tf.Variables, trainable by tf.Variable's default) are bookkeeping, not weights.
         trainable = kwargs.get("trainable", True) is not False and tf.as_dtype(dtype).is_floating
-        layer = keras_compat.layer_being_built()
+        layer = layers.built
         embedding = isinstance(layer, keras_compat.Embedding)
         decision = self._placement.decide(path, shape.as_list(), embedding, trainable)
         if decision.where == placement_lib.REPLICATED:

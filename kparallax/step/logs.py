@@ -76,7 +76,9 @@ def over_workers(logs, metrics, iterations, num_workers, name, weight=None, work
     exact = [m for m in metrics if is_additive(m)]
     variables = [v for m in exact for v in m.variables]
     local = [tf.identity(v.read_value()) for v in variables]
-    from_states = set(result_keys(exact))  # computed from the summed states below: not sent again
+    # Computed from the summed states below, so not sent again. Names only: calling result() here would add reads of
+    # every state to the step. A dict result's keys are sent too, then replaced by the states' results.
+    from_states = {m.name for m in exact}
     keys = [k for k, v in logs.items() if _is_float_scalar(v) and k not in from_states]
     payload = [_part(v, value, num_workers, worker_index) for v, value in zip(variables, local)]
     others = [tf.cast(logs[k], tf.float32) for k in keys]
