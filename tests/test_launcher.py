@@ -97,6 +97,24 @@ def test_the_terminal_shows_a_tasks_output_without_kparallax_info_and_tensorflow
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("mode, ps, where, message", [
+    # the copy's table took the name the others gave the model they train: worker 1 joined it (initialized), silently
+    ("chief_only_model", 1, "worker-0.log", "The workers' models do not hold the same PS variables, so each would "
+     "train its own: PS variable #0 of 'sequential' is 'embedding/embeddings' (embedding/embeddings_2@ps[0]"),
+    # the copy's stripes moved worker 0's later ones to other PS tasks: worker 1 waited for them (300 s, then an
+    # error blaming worker 0's model)
+    ("chief_only_model_placed", 2, "worker-1.log", "Shared variable 'embedding_1/embeddings/part_0_of_3' is on ps[1] "
+     "on this worker, but the chief (worker 0) put it on ps[0]"),
+])
+def test_a_model_built_inside_the_scope_on_worker_0_only_is_named_with_the_fix(tmp_path, mode, ps, where, message):
+    run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "worker_behaviour.py"), mode],
+                            log_dir=str(tmp_path), workers=2, ps=ps, timeout=120)
+    assert run.returncode != 0, run.report()
+    assert message in run.logs()[where], run.report()
+    assert "built inside strategy.scope() on some workers only" in run.logs()[where], run.report()
+
+
+@pytest.mark.multiprocess
 def test_variables_made_before_the_strategy_are_refused_with_the_fix(tmp_path):
     """TensorFlow cannot use them once the process connects to the PS tasks (before: compile failed with
     'Client for target /job:localhost/replica:0/task:0 not found', or a later call did)."""

@@ -49,6 +49,30 @@ def weights_created(model):
     return True
 
 
+def weight_values(weights):
+    """``weights`` (a layer's ``weights``) with each entry repeated once per value Keras' ``get_weights`` /
+    ``set_weights`` give or take for it: one for a variable, ``num_tensors`` (none, one or several) for a trackable
+    Keras saves through a ``TrackableWeightHandler`` (a lookup layer's vocabulary, a hash table)."""
+    values = []
+    for weight in weights:
+        values += [weight] * (weight.num_tensors if is_weight_handler(weight) else 1)
+    return values
+
+
+def is_weight_handler(weight):
+    """Whether ``weight`` (an entry of a layer's ``weights``) is a trackable Keras sets through its handler (Keras
+    2.15: ``base_layer_utils.TrackableWeightHandler``), not a variable."""
+    from keras.src.engine import base_layer_utils  # pylint: disable=import-outside-toplevel
+    return isinstance(weight, base_layer_utils.TrackableWeightHandler)
+
+
+def finalize_states(layer):
+    """What Keras' ``set_weights`` does after setting the values: each layer recomputes what it derives from its
+    weights (``finalize_state``: a ``Normalization`` layer's mean and variance as it applies them)."""
+    for sublayer in layer._flatten_layers():  # pylint: disable=protected-access
+        sublayer.finalize_state()
+
+
 def optimizer_family(optimizer):
     """``"new"`` for Keras 2.11+ optimizers, ``"legacy"`` for ``tf.keras.optimizers.legacy``."""
     if isinstance(optimizer, LegacyOptimizer):

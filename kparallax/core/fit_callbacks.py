@@ -7,14 +7,39 @@ import contextlib
 import inspect
 import os
 import threading
+import zlib
 
 import tensorflow as tf
 
 from kparallax._compat import keras as keras_compat
 from kparallax._compat import tf as tf_compat
+from kparallax.core import shared_variables
 from kparallax.step import collectives
 from kparallax.step import logs as logs_lib
 from kparallax.step import state_variables
+
+
+def check_same_ps_variables(strategy, model):
+    """Refuses a ``model`` whose PS variables are not the same on every worker (the same resources on the same PS
+    tasks): each worker would train its own, silently. Names the first that differs. One allgather of two numbers;
+    a second one, of a number per PS variable, only when they differ."""
+    variables = model.variables if keras_compat.weights_created(model) else []  # checked again once it is built
+    entries = [e for e in (strategy.registry.get(v) for v in variables if isinstance(v, tf.Variable)) if e is not None]
+    names = [f"{e.shared_name}@ps[{e.task}]" for e in entries]
+    rows = collectives.allgather_ints([len(names), zlib.crc32(" ".join(names).encode())], name="kp_ps_variables")
+    if len({tuple(row) for row in rows}) == 1:
+        return
+    width = max(row[0] for row in rows)
+    each = collectives.allgather_ints([zlib.crc32(n.encode()) for n in names] + [-1] * (width - len(names)),
+                                      name="kp_ps_variables_each")
+    first = next(i for i in range(width) if len({row[i] for row in each}) > 1)
+    here = (f"{entries[first].path!r} ({names[first].split('/', 1)[-1]}: its resource on the PS task)"
+            if first < len(names) else "none")
+    others = [w for w, row in enumerate(each) if row[first] != each[strategy.worker_index][first]]
+    raise ValueError(
+        f"The workers' models do not hold the same PS variables, so each would train its own: PS variable #{first} "
+        f"of {model.name!r} is {here} on this worker ({strategy.worker_index}) and another one on worker(s) {others}. "
+        f"{shared_variables.ASYMMETRIC_CAUSE} Received: {[row[0] for row in rows]} PS variable(s) per worker.")
 
 
 class ReplicatedWeights:
@@ -44,6 +69,8 @@ class ReplicatedWeights:
     def sync(self):
         variables = [v for v in self._variables() if v.ref() not in self._synced]
         tf_compat.async_wait()
+        if self._strategy.num_workers > 1:
+            check_same_ps_variables(self._strategy, self._model)
         if self._strategy.num_workers > 1 and variables:
             collectives.broadcast_variables(variables, name="kp_replicated_weights")
         elif self._strategy.num_workers > 1:

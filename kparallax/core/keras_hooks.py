@@ -731,31 +731,41 @@ def _run_quietly_on_workers(original, model, *args, **kwargs):
 def _layer_get_weights(strategy, layer):
     with _keras_weights():
         values = original_method(layer, "get_weights")(layer)
-    variables = layer.weights
+    slots = keras_compat.weight_values(layer.weights)
     table_of = strategy.registry.table_of
-    if len(variables) != len(values) or not any(table_of(v) for v in variables):
+    if len(slots) != len(values) or not any(table_of(v) for v in slots):
         return values
-    return tables.merge_weights(variables, values, table_of)
+    return tables.merge_weights(slots, values, table_of)
 
 
 def _layer_set_weights(strategy, layer, weights):
     """Whole tables are split over their shards; only worker 0 writes PS variables (one shared copy: the others'
-    writes would race with worker 0's later ones, e.g. a checkpoint restore)."""
-    variables = layer.weights
+    writes would race with worker 0's later ones, e.g. a checkpoint restore). Every worker sets its own replicated
+    variables and what Keras sets through a handler (a lookup layer's vocabulary), as Keras' ``set_weights`` does."""
+    params = layer.weights
+    slots = keras_compat.weight_values(params)
     weights = list(weights)
     table_of = strategy.registry.table_of
-    if any(table_of(v) for v in variables) and len(weights) == tables.whole_weight_count(variables, table_of):
-        weights = tables.split_weights(variables, weights, table_of)
+    if any(table_of(v) for v in slots) and len(weights) == tables.whole_weight_count(slots, table_of):
+        weights = tables.split_weights(slots, weights, table_of)
     _weights_set(layer)
-    if strategy.is_chief or len(weights) != len(variables):
+    if strategy.is_chief or len(weights) != len(slots):
         with _keras_weights():
             return original_method(layer, "set_weights")(layer, weights)
-    pairs = []
-    for variable, value in zip(variables, weights):
-        if tuple(variable.shape) != tuple(getattr(value, "shape", ())):
-            raise ValueError(f"Layer {layer.name} weight {variable.name} has shape {tuple(variable.shape)}; the "
-                             f"value given has shape {getattr(value, 'shape', None)}. Received: a mismatched list.")
-        if not strategy.is_ps_variable(variable):
-            pairs.append((variable, value))
+    pairs, start = [], 0
+    for param in params:
+        count = len(keras_compat.weight_values([param]))
+        values, start = weights[start:start + count], start + count
+        if keras_compat.is_weight_handler(param):
+            param.set_weights(values)
+            continue
+        (value,) = values
+        shape = getattr(value, "shape", ())
+        if not param.shape.is_compatible_with(shape):  # as Keras checks it (an adapted layer's [2, None] state)
+            raise ValueError(f"Layer {layer.name} weight {param.name} has shape {param.shape}; the value given "
+                             f"has shape {shape}. Received: a mismatched list.")
+        if not strategy.is_ps_variable(param):
+            pairs.append((param, value))
     tf.keras.backend.batch_set_value(pairs)
+    keras_compat.finalize_states(layer)
     return None

@@ -23,6 +23,7 @@ class PsEntry:
     shard: Optional[int] = None
     helpers: Dict[str, tf.Variable] = dataclasses.field(default_factory=dict)
     moved: bool = False              # made replicated, moved here at the first step (its gradient is sparse)
+    shared_name: str = ""            # its resource's name on the PS task (the same on every worker)
 
 
 class Registry:
@@ -45,7 +46,8 @@ class Registry:
         """Creates (or joins) the shared variable ``path`` on PS ``task`` and registers it."""
         variable = self._store.create(path, shape, dtype, initial_value, task, trainable=trainable,
                                       constraint=constraint)
-        self._entries[variable.ref()] = PsEntry(variable, path, task, table, shard)
+        self._entries[variable.ref()] = PsEntry(variable, path, task, table, shard,
+                                                shared_name=variable.kp_shared_name)
         return variable
 
     def move(self, variable, path, task):
@@ -56,7 +58,7 @@ class Registry:
         shared = self._store.create(path, inner.shape, inner.dtype, inner.read_value, task,
                                     trainable=inner.trainable, constraint=inner.constraint)
         tf_compat.rehome(inner, shared)
-        self._entries[inner.ref()] = PsEntry(inner, path, task, moved=True)
+        self._entries[inner.ref()] = PsEntry(inner, path, task, moved=True, shared_name=shared.kp_shared_name)
         return variable
 
     def remove(self, variable):

@@ -13,6 +13,11 @@ from kparallax import log as logging
 from kparallax._compat import tf as tf_compat
 
 CONTAINER = "kparallax"
+# The likely cause of workers disagreeing on their PS variables, and its fix.
+ASYMMETRIC_CAUSE = (
+    "Likely cause: a model holding PS variables (an embedding table) was built inside strategy.scope() on some "
+    "workers only (under `if strategy.is_chief:`, say, to check a saved file), so the PS variables built after it got "
+    "other names or PS tasks there. Build a model that only some workers use outside the scope, or on every worker.")
 
 
 class SharedVariableStore:
@@ -52,6 +57,7 @@ class SharedVariableStore:
         shared_name = f"{self._cluster.run_id}/{self._unique(path)}"
         variable = tf_compat.shared_variable(shared_name, CONTAINER, shape, dtype, device, trainable,
                                            constraint=constraint, name=path)
+        variable.kp_shared_name = shared_name  # what the workers compare (fit_callbacks.check_same_ps_variables)
         if self._is_initializer:
             with tf.init_scope(), tf.device(device):
                 value = initial_value() if callable(initial_value) else initial_value
@@ -71,8 +77,22 @@ class SharedVariableStore:
                     raise TimeoutError(
                         f"Shared variable {path!r} on ps[{ps_task}] ({self._cluster.ps[ps_task]}) was not "
                         f"initialized by the chief (worker 0) within {self._init_timeout:.0f} s. Check worker 0's "
-                        "log: it must build the same model. Received: init_timeout="
+                        f"log: it must build the same model. {ASYMMETRIC_CAUSE} Received: init_timeout="
                         f"{self._init_timeout}.")
+                if delay == 0.5:
+                    self._refuse_placed_elsewhere(variable, path, ps_task)
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
         logging.debug("shared variable %s is initialized", path)
+
+    def _refuse_placed_elsewhere(self, variable, path, ps_task):
+        """Raises if the chief initialized this worker's shared variable on another PS task: the workers placed the
+        same variable differently (they will never agree)."""
+        elsewhere = [i for i in range(len(self._cluster.ps)) if i != ps_task and tf_compat.is_initialized(
+            tf_compat.shared_variable(variable.kp_shared_name, CONTAINER, variable.shape, variable.dtype,
+                                      self._cluster.ps_device(i), False))]
+        if elsewhere:
+            raise ValueError(
+                f"Shared variable {path!r} is on ps[{ps_task}] on this worker, but the chief (worker 0) put it on "
+                f"ps[{elsewhere[0]}]: the workers placed their PS variables differently. {ASYMMETRIC_CAUSE} "
+                f"Received: {path!r} -> ps[{ps_task}] here, ps[{elsewhere[0]}] on worker 0.")

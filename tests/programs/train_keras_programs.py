@@ -1,6 +1,7 @@
 """Runs keras_programs in one plain process (MODE=reference, global batch) or under kparallax (MODE=kparallax,
 per-worker batch; under kparallax-run). Writes OUT_DIR/<program>.npz (weights, then any logged values) from worker
-0. SHARD ("i/n", default "0/1") runs part i of n of the programs (keras_programs.shard).
+0. SHARD ("i/n", default "0/1") runs part i of n of the programs (keras_programs.shard); "striped" runs
+keras_programs.STRIPED, under kparallax with every table in 3 stripes (partitions=3).
 Usage: train_keras_programs.py OUT_DIR MODE [SHARD]"""
 
 import contextlib
@@ -19,12 +20,18 @@ def main(out_dir, mode, part="0/1"):
         scope, batch, chief = contextlib.nullcontext, PER_WORKER_BATCH * programs.WORKERS, True
     else:
         import kparallax as kp  # pylint: disable=import-outside-toplevel
-        strategy = kp.HybridStrategy()
+        strategy = kp.HybridStrategy(partitions=3 if part == "striped" else 1)
         scope, batch, chief = strategy.scope, PER_WORKER_BATCH, strategy.is_chief
         programs.RANK, programs.RUN_WORKERS = strategy.worker_index, strategy.num_workers
+        table_of = strategy.registry.table_of  # (table, stripe index) of a stripe
+        programs.WEIGHTS_IN_ORDER = lambda model: [v for v in model.weights if (table_of(v) or (0, 0))[1] == 0]
     programs.SHARED_DIR = out_dir
-    index, count = (int(n) for n in part.split("/"))
-    for name in programs.shard(index, count):
+    if part == "striped":
+        names = programs.striped()
+    else:
+        index, count = (int(n) for n in part.split("/"))
+        names = programs.shard(index, count)
+    for name in names:
         model = programs.PROGRAMS[name](scope, batch)
         if chief:
             # A program may name the weights it compares (not its metrics' variables, say).

@@ -4,7 +4,7 @@ Usage: worker_behaviour.py MODE (fail_rank1 | same_index | ok | compile_outside 
                                skew_steps_async | virtual_batch | batch_norm_global | batch_norm_per_worker |
                                dropout_masks | several_models | clip_refused | clip_accumulated | shuffle_seeds |
                                bad_id_rank1 | made_before | built_by_first_call | unaggregated_state |
-                               async_two_optimizers)
+                               async_two_optimizers | chief_only_model | chief_only_model_placed)
 """
 
 import os
@@ -27,7 +27,7 @@ try:
     strategy = kp.HybridStrategy(kp.Cluster.from_env(), sync=mode not in ("skew_steps_async", "async_two_optimizers"),
                                  sync_batch_norm=mode != "batch_norm_per_worker",
                                  backward_passes_per_step=2 if mode == "clip_accumulated" else 1,
-                                 partitions=3 if mode == "bad_id_rank1" else 1)
+                                 partitions=3 if mode in ("bad_id_rank1", "chief_only_model_placed") else 1)
 except (ValueError, ConnectionError) as e:
     print(f"kparallax error: {e}", file=sys.stderr, flush=True)
     sys.exit(2)
@@ -285,6 +285,24 @@ if mode == "bad_id_rank1":
     ids = np.array([[1, 2, 70 if strategy.worker_index == 1 else 3]] * 4)
     model.train_on_batch(ids, np.zeros((4, 1)))
     sys.exit("a batch with an id outside the table trained")
+if mode in ("chief_only_model", "chief_only_model_placed"):
+    # worker 0 alone builds a model holding a table inside the scope (a copy to check a saved file), then every
+    # worker builds the model it trains: a copy of the first (its table named as the first's), or a new model
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    def build():
+        return tf.keras.Sequential([tf.keras.Input((4,), dtype=tf.int32), tf.keras.layers.Embedding(60, 3),
+                                    tf.keras.layers.Flatten(), tf.keras.layers.Dense(1)])
+
+    with strategy.scope():
+        first = build()
+        if strategy.is_chief:
+            tf.keras.models.clone_model(first)
+        model = tf.keras.models.clone_model(first) if mode == "chief_only_model" else build()
+        model.compile(optimizer="sgd", loss="mse")
+        model.fit(np.ones((16, 4), np.int32), np.zeros((16, 1)), batch_size=4, verbose=0)
+    sys.exit("models holding different PS variables trained")
 if mode == "several_models":
     # a script training eight models one after another, each from Keras' random initialization (different on every
     # worker): each fit starts from worker 0's weights; prints each model's weights' sum after its fit
