@@ -415,6 +415,7 @@ class HybridStrategy:
         step = train_step.Step(self._options, self.num_workers, self.is_ps_variable, ps_path)
         step.clones = clones
         step.moves_sparse = self.moves_sparse
+        step.stripe_of = self._registry.table_of
         wrapped = train_step.wrap(optimizer, step)
         clones.learning_rate_source = wrapped
         if loss_scale is not None:

@@ -319,12 +319,14 @@ def _walk(kinds, tensors):
     return steps, list(leaves.values()), local
 
 
-def plan(grads_and_vars, is_ps_variable, num_workers, accumulating=False, clipping=False, ps_averages=True):
+def plan(grads_and_vars, is_ps_variable, num_workers, accumulating=False, clipping=False, ps_averages=True,
+         stripe_of=None):
     """The ``Replay`` of the gradients in ``grads_and_vars`` (the list a routing optimizer received) that a
     ``train_step`` transformed in a way averaging does not commute with, or None (nothing recorded, one worker, or
     nothing to replay). ``clipping``: the optimizer clips (clipnorm / clipvalue / global_clipnorm); ``ps_averages``:
-    the PS divides the workers' summed gradients by their count (``average_sparse``). Raises ValueError for a transformation that
-    cannot be one process's (module docstring)."""
+    the PS divides the workers' summed gradients by their count (``average_sparse``); ``stripe_of``: (table, index)
+    of a partitioned table's stripe, else None. Raises ValueError for a transformation that cannot be one process's
+    (module docstring), or that reads some of a table's stripes with other gradients (``_refuse_some_stripes``)."""
     leaves = getattr(_ACTIVE, "leaves", None)
     if not leaves or num_workers == 1:
         return None
@@ -363,6 +365,7 @@ def plan(grads_and_vars, is_ps_variable, num_workers, accumulating=False, clippi
         if accumulating:
             _refuse(variable, op, "backward_passes_per_step > 1", "The transformation would act on each pass's "
                     "gradient, one process's on the sum of them.")
+        _refuse_some_stripes(variable, op, reached, stripe_of)
         transforms[j] = _Transform(steps, reached)
         found.setdefault(f"{op.type} {op.name!r}", []).append(variable.name)
     if not transforms:
@@ -373,6 +376,31 @@ def plan(grads_and_vars, is_ps_variable, num_workers, accumulating=False, clippi
     for how, names in found.items():
         logging.info("the train_step transforms the gradients of %s by %s: repeated %s", ", ".join(names), how, where)
     return replay
+
+
+def _refuse_some_stripes(variable, op, leaves, stripe_of):
+    """Refuses a transformation that reads the gradients of other variables together with some, not all, of a
+    partitioned table's stripes: ``trainable_variables`` lists a table's stripes one by one, so code that picks a
+    table's gradient by its position (``grads[:1]``, then a global norm of ``grads[1:]``) picks one stripe, and the
+    others' gradients join the rest's transformation, silently unlike one process."""
+    if stripe_of is None or len(leaves) < 2:
+        return
+    read = {}
+    for leaf in leaves:
+        owner = stripe_of(leaf.variable)
+        if owner is not None:
+            read.setdefault(id(owner[0]), (owner[0], set()))[1].add(owner[1])
+    for table, stripes in read.values():
+        if len(stripes) < len(table.shards):
+            raise ValueError(
+                f"The train_step transforms the gradient of {variable.name!r} together with the gradients of "
+                f"stripe(s) {sorted(stripes)} of the {len(table.shards)} stripes of table {table.path!r}, not all of "
+                f"them ({op.type} op {op.name!r}). Keras lists a partitioned table's stripes one by one in "
+                "trainable_variables, so code that picks a table's gradient by its position (grads[:1]) picks one "
+                "stripe, and the transformation of the others (a global norm, say) would mix stripes of the table in, "
+                "silently unlike one process. Received: that transformation before apply_gradients, with table "
+                f"{table.path!r} in {len(table.shards)} stripes. Pick gradients by their variables, not by position, "
+                f"or keep the table in one piece with placement={{{table.path!r}: 'ps:1'}}.")
 
 
 def _refuse(variable, op, what, why):

@@ -113,6 +113,7 @@ class Step:
         self.moves_sparse = None
         self.pending_moves = []
         self.probing = False  # True while ``keras_hooks`` traces the first step to find them
+        self.stripe_of = None  # callable(variable) -> (table, stripe index) of a partitioned table's stripe, or None
         self.decided = False  # in that trace: none was found, so the step is built (and the optimizer with it)
         self._sent = None  # {"dense", "sparse"}: int64 variables, bytes this worker sent
 
@@ -260,7 +261,7 @@ def route(optimizer, step, grads_and_vars, apply_dense):
     replay = gradient_transforms.plan(grads_and_vars, step.is_ps_variable, step.num_workers,
                                       accumulating=step.accumulator is not None,
                                       clipping=bool(keras_compat.clipping(optimizer)),
-                                      ps_averages=step.options.average_sparse)
+                                      ps_averages=step.options.average_sparse, stripe_of=step.stripe_of)
     dense, ps = step.split(global_losses.weighted(replay.local if replay else grads_and_vars,
                                                   global_losses.gradient_share()))
 

@@ -4,7 +4,8 @@ Usage: worker_behaviour.py MODE (fail_rank1 | same_index | ok | compile_outside 
                                skew_steps_async | virtual_batch | batch_norm_global | batch_norm_per_worker |
                                dropout_masks | several_models | clip_refused | clip_accumulated | shuffle_seeds |
                                bad_id_rank1 | made_before | built_by_first_call | unaggregated_state |
-                               async_two_optimizers | chief_only_model | chief_only_model_placed)
+                               async_two_optimizers | chief_only_model | chief_only_model_placed |
+                               some_stripes_clipped)
 """
 
 import os
@@ -27,7 +28,8 @@ try:
     strategy = kp.HybridStrategy(kp.Cluster.from_env(), sync=mode not in ("skew_steps_async", "async_two_optimizers"),
                                  sync_batch_norm=mode != "batch_norm_per_worker",
                                  backward_passes_per_step=2 if mode == "clip_accumulated" else 1,
-                                 partitions=3 if mode in ("bad_id_rank1", "chief_only_model_placed") else 1)
+                                 partitions=3 if mode in ("bad_id_rank1", "chief_only_model_placed",
+                                                          "some_stripes_clipped") else 1)
 except (ValueError, ConnectionError) as e:
     print(f"kparallax error: {e}", file=sys.stderr, flush=True)
     sys.exit(2)
@@ -303,6 +305,36 @@ if mode in ("chief_only_model", "chief_only_model_placed"):
         model.compile(optimizer="sgd", loss="mse")
         model.fit(np.ones((16, 4), np.int32), np.zeros((16, 1)), batch_size=4, verbose=0)
     sys.exit("models holding different PS variables trained")
+if mode == "some_stripes_clipped":
+    # a train_step written for a table that is one variable: grads[:1] is "the table's", the rest are clipped by their
+    # global norm; with the table in 3 stripes, grads[:1] is one stripe and the others join the clip
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    class HeadClipped(tf.keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.table, self.head = tf.keras.layers.Embedding(60, 3), tf.keras.layers.Dense(1)
+
+        def call(self, ids):
+            return self.head(tf.reduce_sum(self.table(ids), axis=1))
+
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
+            variables = self.table.trainable_variables + self.head.trainable_variables
+            grads = tape.gradient(loss, variables)
+            grads = grads[:1] + tf.clip_by_global_norm(grads[1:], 0.05)[0]
+            self.optimizer.apply_gradients(zip(grads, variables))
+            return {"loss": loss}
+
+    with strategy.scope():
+        model = HeadClipped()
+        model(np.ones((1, 4), np.int32))
+        model.compile(optimizer="sgd")
+        model.fit(np.ones((16, 4), np.int32), np.zeros((16, 1)), batch_size=4, verbose=0)
+    sys.exit("a clip of some of a table's stripes trained")
 if mode == "several_models":
     # a script training eight models one after another, each from Keras' random initialization (different on every
     # worker): each fit starts from worker 0's weights; prints each model's weights' sum after its fit
