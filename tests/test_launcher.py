@@ -116,15 +116,15 @@ def test_a_model_built_inside_the_scope_on_worker_0_only_is_named_with_the_fix(t
 
 @pytest.mark.multiprocess
 def test_a_train_step_clipping_some_of_a_tables_stripes_with_other_gradients_is_refused(tmp_path):
-    """grads[:1] taken as a table's gradient and a global norm over the rest: with the table in 3 stripes, the norm
-    held 2 of them (before, trained silently unlike one process: 0.065 off on a Keras program)."""
+    """The Keras program clipped_two_optimizers takes grads[:1] as its table's gradient and a global norm over the
+    rest: with the table in 3 stripes, the norm held 2 of them (before, it trained silently, 0.065 off one process)."""
     run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "worker_behaviour.py"), "some_stripes_clipped"],
                             log_dir=str(tmp_path), workers=2, ps=1, timeout=120)
     assert run.returncode != 0, run.report()
     for name in ("worker-0.log", "worker-1.log"):
         assert ("together with the gradients of stripe(s) [1, 2] of the 3 stripes of table "
-                "'head_clipped/embedding/embeddings'") in run.logs()[name], run.report()
-        assert "placement={'head_clipped/embedding/embeddings': 'ps:1'}" in run.logs()[name], run.report()
+                "'critic_and_model/embedding/embeddings'") in run.logs()[name], run.report()
+        assert "placement={'critic_and_model/embedding/embeddings': 'ps:1'}" in run.logs()[name], run.report()
 
 
 @pytest.mark.multiprocess

@@ -41,12 +41,16 @@ def weights_created(model):
     been created`` for a model not built yet whose class defines ``build`` (a ``Sequential`` model without an input
     shape, before its first call), where plain Keras' ``compile`` and ``fit`` never ask; so does listing a built
     model holding such a model (a ``WideDeepModel``'s ``LinearModel`` before the first call)."""
+    return created_weights(model) is not None
+
+
+def created_weights(model):
+    """``model.weights``, or None where ``weights_created`` is False (listed once)."""
     try:
         model._assert_weights_created()  # pylint: disable=protected-access
-        model.weights  # pylint: disable=pointless-statement
+        return model.weights
     except ValueError:
-        return False
-    return True
+        return None
 
 
 def weight_values(weights):
@@ -55,8 +59,13 @@ def weight_values(weights):
     Keras saves through a ``TrackableWeightHandler`` (a lookup layer's vocabulary, a hash table)."""
     values = []
     for weight in weights:
-        values += [weight] * (weight.num_tensors if is_weight_handler(weight) else 1)
+        values += [weight] * weight_count(weight)
     return values
+
+
+def weight_count(weight):
+    """How many values Keras' ``get_weights`` / ``set_weights`` give or take for ``weight`` (see ``weight_values``)."""
+    return weight.num_tensors if is_weight_handler(weight) else 1
 
 
 def is_weight_handler(weight):

@@ -224,9 +224,9 @@ def _owning_strategy(model, owns):
     """The strategy one of whose variables (``owns(strategy, variable)``) ``model`` holds, or None. A model whose
     weights are not all created yet holds none: Keras may still build it (a premade model's parts) or restore into
     it later (a deferred ``load_weights``), and listing its weights would raise."""
-    if not _STRATEGIES or not keras_compat.weights_created(model):
+    weights = keras_compat.created_weights(model) if _STRATEGIES else None
+    if weights is None:
         return None
-    weights = model.weights
     return next((s for s in list(_STRATEGIES) if any(owns(s, v) for v in weights)), None)
 
 
@@ -754,7 +754,7 @@ def _layer_set_weights(strategy, layer, weights):
             return original_method(layer, "set_weights")(layer, weights)
     pairs, start = [], 0
     for param in params:
-        count = len(keras_compat.weight_values([param]))
+        count = keras_compat.weight_count(param)
         values, start = weights[start:start + count], start + count
         if keras_compat.is_weight_handler(param):
             param.set_weights(values)

@@ -104,6 +104,7 @@ class Step:
         self.num_workers = num_workers
         self.is_ps_variable = is_ps_variable
         self.ps_path = ps_path
+        self.stripe_of = None  # callable(variable) -> (table, stripe index) of a partitioned table's stripe, or None
         self.clones = None  # the model's ``Clones`` (set by the strategy)
         self.accumulator = (accumulation.GradientAccumulator(options.backward_passes_per_step)
                             if options.backward_passes_per_step > 1 else None)
@@ -113,7 +114,6 @@ class Step:
         self.moves_sparse = None
         self.pending_moves = []
         self.probing = False  # True while ``keras_hooks`` traces the first step to find them
-        self.stripe_of = None  # callable(variable) -> (table, stripe index) of a partitioned table's stripe, or None
         self.decided = False  # in that trace: none was found, so the step is built (and the optimizer with it)
         self._sent = None  # {"dense", "sparse"}: int64 variables, bytes this worker sent
 

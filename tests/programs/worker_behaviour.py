@@ -306,34 +306,13 @@ if mode in ("chief_only_model", "chief_only_model_placed"):
         model.fit(np.ones((16, 4), np.int32), np.zeros((16, 1)), batch_size=4, verbose=0)
     sys.exit("models holding different PS variables trained")
 if mode == "some_stripes_clipped":
-    # a train_step written for a table that is one variable: grads[:1] is "the table's", the rest are clipped by their
-    # global norm; with the table in 3 stripes, grads[:1] is one stripe and the others join the clip
-    import numpy as np  # pylint: disable=import-outside-toplevel
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+    # the Keras program written for a table that is one variable: grads[:1] is "the table's", the rest are clipped by
+    # their global norm; with the table in 3 stripes, grads[:1] is one stripe and the others join the clip
+    import keras_programs  # pylint: disable=import-outside-toplevel  (this directory)
 
-    class HeadClipped(tf.keras.Model):
-        def __init__(self):
-            super().__init__()
-            self.table, self.head = tf.keras.layers.Embedding(60, 3), tf.keras.layers.Dense(1)
-
-        def call(self, ids):
-            return self.head(tf.reduce_sum(self.table(ids), axis=1))
-
-        def train_step(self, data):
-            x, y = data
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
-            variables = self.table.trainable_variables + self.head.trainable_variables
-            grads = tape.gradient(loss, variables)
-            grads = grads[:1] + tf.clip_by_global_norm(grads[1:], 0.05)[0]
-            self.optimizer.apply_gradients(zip(grads, variables))
-            return {"loss": loss}
-
-    with strategy.scope():
-        model = HeadClipped()
-        model(np.ones((1, 4), np.int32))
-        model.compile(optimizer="sgd")
-        model.fit(np.ones((16, 4), np.int32), np.zeros((16, 1)), batch_size=4, verbose=0)
+    table_of = strategy.registry.table_of  # its _init pairs get_weights() with one weight per table
+    keras_programs.WEIGHTS_IN_ORDER = lambda model: [v for v in model.weights if (table_of(v) or (0, 0))[1] == 0]
+    keras_programs.clipped_two_optimizers(strategy.scope, 8)
     sys.exit("a clip of some of a table's stripes trained")
 if mode == "several_models":
     # a script training eight models one after another, each from Keras' random initialization (different on every
