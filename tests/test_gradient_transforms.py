@@ -39,7 +39,7 @@ def _dense(clip):
     return lambda grads, loss: grads[:1] + list(clip(grads[1:]))
 
 
-def _planned(transform, on_ps=None, clipping=False, eager=False, ps_averages=True):
+def _planned(transform, on_ps=None, clipping=False, eager=False, ps_averages=True, stripe_of=None):
     """Traces a step whose gradients ``transform(grads, loss)`` changes (or runs it eagerly), then ``plan`` on 2
     workers: the positions it replays (or None)."""
     result = {}
@@ -53,7 +53,7 @@ def _planned(transform, on_ps=None, clipping=False, eager=False, ps_averages=Tru
             variables = [V.table, V.kernel, V.bias]
             grads = transform(tape.gradient(loss, variables), loss)
             replay = gradient_transforms.plan(list(zip(grads, variables)), lambda v: any(v is p for p in on_ps), 2,
-                                              clipping=clipping, ps_averages=ps_averages)
+                                              clipping=clipping, ps_averages=ps_averages, stripe_of=stripe_of)
         result["replayed"] = None if replay is None else [j for j, (g, _) in enumerate(replay.local) if g is None]
         return loss
 
@@ -131,3 +131,41 @@ def test_under_run_eagerly_only_the_tape_s_own_gradients_are_taken():
     with pytest.raises(ValueError, match="With run_eagerly=True, kparallax cannot see how a train_step computed"):
         _planned(lambda grads, loss: [grads[0]] + [g * 0.5 for g in grads[1:]], eager=True)
     assert _planned(lambda grads, loss: grads, eager=True) is None
+
+
+class _Table:
+    """A partitioned table as ``plan``'s ``stripe_of`` names it: its path and its stripes."""
+    path = "pooled/table"
+    shards = (None, None, None)
+
+
+def _first_of_3_stripes(variable):
+    return (_Table, 0) if variable is V.table else None
+
+
+def _each(axes):
+    return lambda grads, loss: [tf.clip_by_norm(g, 0.1, axes=axes) for g in grads]
+
+
+@pytest.mark.parametrize("name, transform, mixing", [
+    ("each by its own norm", _each(None), "Sum op 'clip_by_norm/Sum'"),
+    ("a norm over the rows only", _each([0]), "Sum op 'clip_by_norm/Sum'"),
+    ("by a global norm of its own", lambda grads, loss: [tf.clip_by_global_norm(grads[:1], 0.1)[0][0]] + grads[1:],
+     "L2Loss op 'global_norm/L2Loss'"),
+])
+def test_a_transformation_combining_the_rows_of_a_stripe_s_gradient_is_refused(name, transform, mixing):
+    """The table is 1 of 3 stripes: a norm of its gradient would be the stripe's, where one process's is the whole
+    table's."""
+    with pytest.raises(ValueError, match=re.escape(
+            f"stripe(s) [0] of the 3 stripes of table 'pooled/table', by an op that combines the gradient's rows "
+            f"({mixing}")):
+        _planned(transform, stripe_of=_first_of_3_stripes)
+    assert _planned(transform) is not None, name  # the same with the table in one piece: replayed
+
+
+@pytest.mark.parametrize("name, transform", [
+    ("each row by its own norm", _each([-1])),
+    ("by value", lambda grads, loss: [tf.clip_by_value(grads[0], -0.1, 0.1)] + grads[1:]),
+])
+def test_a_transformation_acting_on_each_row_of_a_stripe_is_replayed(name, transform):
+    assert _planned(transform, stripe_of=_first_of_3_stripes) is not None, name

@@ -27,7 +27,8 @@ each gradient reaching the routing optimizer and walks its graph back to the rec
 * a transformation that reads values of this worker's own beside the gradients (its batch, its loss), or holds a
   stateful op, one under gradient accumulation, or one of a PS variable's gradient with the optimizer's own
   clipping or ``average_sparse=False``, cannot be made one process's: it is refused at the first step, naming the
-  op. So is any under ``run_eagerly=True`` (there is no graph to read).
+  op. So is any under ``run_eagerly=True`` (there is no graph to read), and one that treats a partitioned table's
+  stripes apart where one process has the whole table (``_refuse_some_stripes``).
 """
 
 import contextlib
@@ -35,6 +36,7 @@ import dataclasses
 import threading
 from typing import Dict, List
 
+import numpy as np
 import tensorflow as tf
 
 from kparallax import log as logging
@@ -326,7 +328,8 @@ def plan(grads_and_vars, is_ps_variable, num_workers, accumulating=False, clippi
     nothing to replay). ``clipping``: the optimizer clips (clipnorm / clipvalue / global_clipnorm); ``ps_averages``:
     the PS divides the workers' summed gradients by their count (``average_sparse``); ``stripe_of``: (table, index)
     of a partitioned table's stripe, else None. Raises ValueError for a transformation that cannot be one process's
-    (module docstring), or that reads some of a table's stripes with other gradients (``_refuse_some_stripes``)."""
+    (module docstring), such as one that reads some of a table's stripes with other gradients or combines a
+    stripe's rows (``_refuse_some_stripes``)."""
     leaves = getattr(_ACTIVE, "leaves", None)
     if not leaves or num_workers == 1:
         return None
@@ -365,7 +368,7 @@ def plan(grads_and_vars, is_ps_variable, num_workers, accumulating=False, clippi
         if accumulating:
             _refuse(variable, op, "backward_passes_per_step > 1", "The transformation would act on each pass's "
                     "gradient, one process's on the sum of them.")
-        _refuse_some_stripes(variable, op, reached, stripe_of)
+        _refuse_some_stripes(variable, op, reached, steps, stripe_of)
         transforms[j] = _Transform(steps, reached)
         found.setdefault(f"{op.type} {op.name!r}", []).append(variable.name)
     if not transforms:
@@ -378,12 +381,15 @@ def plan(grads_and_vars, is_ps_variable, num_workers, accumulating=False, clippi
     return replay
 
 
-def _refuse_some_stripes(variable, op, leaves, stripe_of):
-    """Refuses a transformation that reads the gradients of other variables together with some, not all, of a
-    partitioned table's stripes: ``trainable_variables`` lists a table's stripes one by one, so code that picks a
-    table's gradient by its position (``grads[:1]``, then a global norm of ``grads[1:]``) picks one stripe, and the
-    others' gradients join the rest's transformation, silently unlike one process."""
-    if stripe_of is None or len(leaves) < 2:
+def _refuse_some_stripes(variable, op, leaves, steps, stripe_of):
+    """Refuses a transformation that reads some, not all, of a partitioned table's stripes together with the
+    gradients of other variables, or that combines the rows of such a stripe's gradient (``_rows_mixed_by``).
+    Keras lists a table's stripes one by one in ``trainable_variables``: code that picks a table's gradient by its
+    position (``grads[:1]``, then a global norm of ``grads[1:]``) picks one stripe, and the others' gradients join the
+    rest's transformation; code that clips each gradient by its own norm (``tf.clip_by_norm``) clips each stripe by
+    the stripe's norm. Both are silently unlike one process, which transforms the whole table's gradient. A
+    transformation acting row by row or element by element is one process's on every stripe, and allowed."""
+    if stripe_of is None:
         return
     read = {}
     for leaf in leaves:
@@ -391,7 +397,10 @@ def _refuse_some_stripes(variable, op, leaves, stripe_of):
         if owner is not None:
             read.setdefault(id(owner[0]), (owner[0], set()))[1].add(owner[1])
     for table, stripes in read.values():
-        if len(stripes) < len(table.shards):
+        if len(stripes) == len(table.shards):
+            continue
+        fixes = (f"or keep the table in one piece with placement={{{table.path!r}: 'ps:1'}}.")
+        if len(leaves) > len(stripes):
             raise ValueError(
                 f"The train_step transforms the gradient of {variable.name!r} together with the gradients of "
                 f"stripe(s) {sorted(stripes)} of the {len(table.shards)} stripes of table {table.path!r}, not all of "
@@ -400,7 +409,44 @@ def _refuse_some_stripes(variable, op, leaves, stripe_of):
                 "stripe, and the transformation of the others (a global norm, say) would mix stripes of the table in, "
                 "silently unlike one process. Received: that transformation before apply_gradients, with table "
                 f"{table.path!r} in {len(table.shards)} stripes. Pick gradients by their variables, not by position, "
-                f"or keep the table in one piece with placement={{{table.path!r}: 'ps:1'}}.")
+                + fixes)
+        mixing = _rows_mixed_by(steps)
+        if mixing is not None:
+            raise ValueError(
+                f"The train_step transforms the gradient of {variable.name!r}, stripe(s) {sorted(stripes)} of the "
+                f"{len(table.shards)} stripes of table {table.path!r}, by an op that combines the gradient's rows "
+                f"({mixing.type} op {mixing.name!r}: a norm or a sum over the whole gradient, as tf.clip_by_norm "
+                "takes). Keras lists a partitioned table's stripes one by one in trainable_variables, so it would act "
+                "on each stripe's rows apart, where one process acts on the whole table's gradient: silently unlike "
+                f"one process. Received: that transformation before apply_gradients, with table {table.path!r} in "
+                f"{len(table.shards)} stripes. Transform the table's gradient row by row (tf.clip_by_norm(g, c, "
+                "axes=[-1])) or element by element (tf.clip_by_value), use the optimizer's clipnorm (applied to the "
+                "whole table, as one process does), " + fixes)
+
+
+_REDUCTIONS = {"Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm", "All", "Any", "ArgMax", "ArgMin", "Cumsum",
+               "Cumprod"}  # their axes are their second input
+_MIXING = {"L2Loss", "MatMul", "BatchMatMulV2", "Einsum", "Transpose"}  # combine or move the rows whatever the rest
+
+
+def _rows_mixed_by(steps):
+    """The first of a transformation's ops (``steps``, as ``_walk`` gives them) that combines values of different
+    rows of the gradients it reads: a reduction over the first axis (or axes not known while tracing; after a
+    ``Reshape``, over any axis), ``L2Loss`` (``tf.clip_by_global_norm``'s), a product of matrices, a transpose.
+    None when it acts row by row or element by element."""
+    reshaped = False
+    for step in steps:
+        if isinstance(step, tuple):
+            continue
+        if step.type in _MIXING:
+            return step
+        reshaped = reshaped or step.type == "Reshape"
+        if step.type in _REDUCTIONS:
+            axes = tf.get_static_value(step.inputs[1])
+            rank = step.inputs[0].shape.rank
+            if axes is None or not rank or reshaped or 0 in {int(a) % rank for a in np.ravel(axes)}:
+                return step
+    return None
 
 
 def _refuse(variable, op, what, why):

@@ -178,12 +178,13 @@ def custom_train_step(scope, batch):
 
 class ClippedStep(tf.keras.Model):
     """A custom train_step that clips its gradients before applying them, as Keras' guides and many models (LM1B's
-    LSTM) do: by their global norm (the replicated weights' only, or every gradient with the table's), and the
-    output bias's by value."""
+    LSTM) do: by their global norm (the replicated weights' only, or every gradient with the table's), or ``each``
+    by its own norm (``"whole"``: the gradient's, ``"row"``: each row's), and the output bias's by value."""
 
-    def __init__(self, clip_table):
+    def __init__(self, clip_table, each=None):
         super().__init__()
         self.clip_table = clip_table
+        self.each = each
         self.table = tf.keras.layers.Embedding(VOCAB, EMB)
         self.hidden = tf.keras.layers.Dense(8, activation="tanh")
         self.out = tf.keras.layers.Dense(1, dtype="float32")
@@ -201,21 +202,24 @@ class ClippedStep(tf.keras.Model):
         grads = tape.gradient(target, variables)
         if scaled:  # mixed precision's loss scale, as Keras' guide for a custom train_step does it
             grads = self.optimizer.get_unscaled_gradients(grads)
-        clipped = [i for i, v in enumerate(variables) if self.clip_table or "embedding" not in v.name]
-        for i, g in zip(clipped, tf.clip_by_global_norm([grads[i] for i in clipped], 0.05)[0]):
-            grads[i] = g
+        if self.each:
+            grads = [tf.clip_by_norm(g, 0.02, axes=[-1] if self.each == "row" else None) for g in grads]
+        else:
+            clipped = [i for i, v in enumerate(variables) if self.clip_table or "embedding" not in v.name]
+            for i, g in zip(clipped, tf.clip_by_global_norm([grads[i] for i in clipped], 0.05)[0]):
+                grads[i] = g
         grads[-1] = tf.clip_by_value(grads[-1], -0.004, 0.004)  # the output bias
         self.optimizer.apply_gradients(zip(grads, variables))
         return {"loss": loss}
 
 
-def _clipped(scope, batch, clip_table):
+def _clipped(scope, batch, clip_table, each=None):
     ids, rng = _ids(19)
     y = rng.normal(size=(ROWS, 1)).astype(np.float32) * 3
     data = tf.data.Dataset.from_tensor_slices((ids[:118], y[:118]))
     logged = _Logged()
     with scope():
-        model = ClippedStep(clip_table)
+        model = ClippedStep(clip_table, each)
         model(ids[:1])
         _init(model)
         model.compile(optimizer=tf.keras.optimizers.SGD(0.5))
@@ -233,6 +237,18 @@ def clipped_gradients(scope, batch):
 def clipped_with_table(scope, batch):
     """ClippedStep clipping every gradient by one global norm, the PS table's included."""
     return _clipped(scope, batch, clip_table=True)
+
+
+def clipped_each(scope, batch):
+    """ClippedStep clipping each gradient by its own norm (tf.clip_by_norm), the PS table's included. With the table
+    in stripes that is each stripe's norm, so kparallax refuses it there (test_launcher.py)."""
+    return _clipped(scope, batch, clip_table=True, each="whole")
+
+
+def clipped_each_row(scope, batch):
+    """ClippedStep clipping each row of each gradient by the row's norm (tf.clip_by_norm(g, c, axes=[-1])): one
+    process's clip with the table in stripes too, since each row lies in one stripe."""
+    return _clipped(scope, batch, clip_table=True, each="row")
 
 
 def mixed_float16_clipped(scope, batch):
@@ -1824,7 +1840,8 @@ def restore_best_weights(scope, batch):
     return model
 
 
-PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, mixed_float16_clipped,
+PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, clipped_each, clipped_each_row,
+                                    mixed_float16_clipped,
                                     clipped_two_optimizers, ratio_metrics, custom_metric_classes, vector_metric_results,
                                     sparse_and_ragged_inputs,
                                     sequence_input, sequence_loader_threads, generator_input,
@@ -1851,12 +1868,12 @@ PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, mixed
 
 # Run again with every table in 3 stripes over 2 PS tasks (partitions=3): programs reading only what Keras gives a
 # user (get_weights, logs), not indexing a model's variables by position (stripes are separate variables there).
-STRIPED = ("clipped_with_table", "sparse_and_ragged_inputs", "sequence_input", "batch_normalization", "mixed_float16",
-           "weighted_samples", "mask_zero_lstm_callbacks", "text_vectorization", "lookup_layers", "shared_layer",
-           "keras_callbacks", "backup_and_restore_resume", "partial_last_batch_arrays", "odd_batch_count_dataset",
-           "masked_sequence_losses", "own_loss_partial_batch", "stateful_lstm", "two_optimizers", "fine_tuning",
-           "own_embedding_layer", "transformer_lm", "steps_per_execution_partial", "restore_best_weights",
-           "wide_deep_premade", "built_by_first_step", "train_on_batch_loop")
+STRIPED = ("clipped_with_table", "clipped_each_row", "sparse_and_ragged_inputs", "sequence_input",
+           "batch_normalization", "mixed_float16", "weighted_samples", "mask_zero_lstm_callbacks", "text_vectorization",
+           "lookup_layers", "shared_layer", "keras_callbacks", "backup_and_restore_resume", "partial_last_batch_arrays",
+           "odd_batch_count_dataset", "masked_sequence_losses", "own_loss_partial_batch", "stateful_lstm",
+           "two_optimizers", "fine_tuning", "own_embedding_layer", "transformer_lm", "steps_per_execution_partial",
+           "restore_best_weights", "wide_deep_premade", "built_by_first_step", "train_on_batch_loop")
 
 
 def striped():

@@ -5,7 +5,7 @@ Usage: worker_behaviour.py MODE (fail_rank1 | same_index | ok | compile_outside 
                                dropout_masks | several_models | clip_refused | clip_accumulated | shuffle_seeds |
                                bad_id_rank1 | made_before | built_by_first_call | unaggregated_state |
                                async_two_optimizers | chief_only_model | chief_only_model_placed |
-                               some_stripes_clipped)
+                               some_stripes_clipped | stripes_clipped_each)
 """
 
 import os
@@ -29,7 +29,7 @@ try:
                                  sync_batch_norm=mode != "batch_norm_per_worker",
                                  backward_passes_per_step=2 if mode == "clip_accumulated" else 1,
                                  partitions=3 if mode in ("bad_id_rank1", "chief_only_model_placed",
-                                                          "some_stripes_clipped") else 1)
+                                                          "some_stripes_clipped", "stripes_clipped_each") else 1)
 except (ValueError, ConnectionError) as e:
     print(f"kparallax error: {e}", file=sys.stderr, flush=True)
     sys.exit(2)
@@ -305,15 +305,18 @@ if mode in ("chief_only_model", "chief_only_model_placed"):
         model.compile(optimizer="sgd", loss="mse")
         model.fit(np.ones((16, 4), np.int32), np.zeros((16, 1)), batch_size=4, verbose=0)
     sys.exit("models holding different PS variables trained")
-if mode == "some_stripes_clipped":
-    # the Keras program written for a table that is one variable: grads[:1] is "the table's", the rest are clipped by
-    # their global norm; with the table in 3 stripes, grads[:1] is one stripe and the others join the clip
+if mode in ("some_stripes_clipped", "stripes_clipped_each"):
+    # Keras programs written for a table that is one variable, with the table in 3 stripes: grads[:1] taken as "the
+    # table's" and the rest clipped by their global norm (the norm holds 2 stripes); each gradient clipped by its own
+    # norm (each stripe by the stripe's)
     import keras_programs  # pylint: disable=import-outside-toplevel  (this directory)
 
     table_of = strategy.registry.table_of  # its _init pairs get_weights() with one weight per table
     keras_programs.WEIGHTS_IN_ORDER = lambda model: [v for v in model.weights if (table_of(v) or (0, 0))[1] == 0]
-    keras_programs.clipped_two_optimizers(strategy.scope, 8)
-    sys.exit("a clip of some of a table's stripes trained")
+    program = (keras_programs.clipped_two_optimizers if mode == "some_stripes_clipped" else
+               keras_programs.clipped_each)
+    program(strategy.scope, 8)
+    sys.exit("a clip of a table's stripes apart trained")
 if mode == "several_models":
     # a script training eight models one after another, each from Keras' random initialization (different on every
     # worker): each fit starts from worker 0's weights; prints each model's weights' sum after its fit
