@@ -399,7 +399,7 @@ def _refuse_some_stripes(variable, op, leaves, steps, stripe_of):
     for table, stripes in read.values():
         if len(stripes) == len(table.shards):
             continue
-        fixes = (f"or keep the table in one piece with placement={{{table.path!r}: 'ps:1'}}.")
+        fixes = f"or keep the table in one piece with placement={{{table.path!r}: 'ps:1'}}."
         if len(leaves) > len(stripes):
             raise ValueError(
                 f"The train_step transforms the gradient of {variable.name!r} together with the gradients of "
