@@ -23,7 +23,7 @@ def check_same_ps_variables(strategy, model):
     """Refuses a ``model`` whose PS variables are not the same on every worker (the same resources on the same PS
     tasks): each worker would train its own, silently. Names the first that differs. One allgather of two numbers;
     a second one, of a number per PS variable, only when they differ."""
-    variables = model.variables if keras_compat.weights_created(model) else []  # checked again once it is built
+    variables = keras_compat.created_weights(model) or []  # checked again once it is built
     entries = [e for e in (strategy.registry.get(v) for v in variables if isinstance(v, tf.Variable)) if e is not None]
     names = [f"{e.shared_name}@ps[{e.task}]" for e in entries]
     rows = collectives.allgather_ints([len(names), zlib.crc32(" ".join(names).encode())], name="kp_ps_variables")

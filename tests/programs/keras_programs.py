@@ -28,6 +28,13 @@ def _weights_in_order(model):
 WEIGHTS_IN_ORDER = _weights_in_order
 
 
+def pair_weights_per_table(table_of):
+    """Under kparallax: ``WEIGHTS_IN_ORDER`` takes a partitioned table's first stripe for the whole table
+    (``table_of``: the strategy's ``registry.table_of``, (table, stripe index) of a stripe, else None)."""
+    global WEIGHTS_IN_ORDER  # pylint: disable=global-statement
+    WEIGHTS_IN_ORDER = lambda model: [v for v in model.weights if (table_of(v) or (0, 0))[1] == 0]
+
+
 def _ids(seed):
     rng = np.random.default_rng(seed)
     return np.minimum(rng.zipf(1.4, size=(ROWS, LEN)) - 1, VOCAB - 1).astype(np.int32), rng

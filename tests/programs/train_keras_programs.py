@@ -23,8 +23,7 @@ def main(out_dir, mode, part="0/1"):
         strategy = kp.HybridStrategy(partitions=3 if part == "striped" else 1)
         scope, batch, chief = strategy.scope, PER_WORKER_BATCH, strategy.is_chief
         programs.RANK, programs.RUN_WORKERS = strategy.worker_index, strategy.num_workers
-        table_of = strategy.registry.table_of  # (table, stripe index) of a stripe
-        programs.WEIGHTS_IN_ORDER = lambda model: [v for v in model.weights if (table_of(v) or (0, 0))[1] == 0]
+        programs.pair_weights_per_table(strategy.registry.table_of)
     programs.SHARED_DIR = out_dir
     if part == "striped":
         names = programs.striped()

@@ -311,8 +311,7 @@ if mode in ("some_stripes_clipped", "stripes_clipped_each"):
     # norm (each stripe by the stripe's)
     import keras_programs  # pylint: disable=import-outside-toplevel  (this directory)
 
-    table_of = strategy.registry.table_of  # its _init pairs get_weights() with one weight per table
-    keras_programs.WEIGHTS_IN_ORDER = lambda model: [v for v in model.weights if (table_of(v) or (0, 0))[1] == 0]
+    keras_programs.pair_weights_per_table(strategy.registry.table_of)  # its _init pairs get_weights() per table
     program = (keras_programs.clipped_two_optimizers if mode == "some_stripes_clipped" else
                keras_programs.clipped_each)
     program(strategy.scope, 8)
