@@ -9,7 +9,8 @@ a train_on_batch loop from per-worker
 random initializations, steps_per_execution on a partial last batch, a second fit with another batch size and a
 class_weight, EarlyStopping restoring the best weights beside ModelCheckpoint(save_best_only), Keras'
 premade WideDeepModel) on 2 workers + 1 PS equal the same programs in one plain process on
-the global batch (issue 14); twenty-seven of them again with every table in 3 stripes over 2 PS tasks."""
+the global batch (issue 14); twenty-seven of them again with every table in 3 stripes over 2 PS tasks; two of them
+again under a partitions="auto" search, which re-splits the table during fit."""
 
 import os
 import re
@@ -50,6 +51,25 @@ def test_keras_programs_match_one_plain_process(tmp_path, index):
         # count (exact for its mean over batches of one size), and a warning naming it.
         assert "Metric 'mean_output' is updated with one value per batch" in run.logs()["worker-0.log"]
     assert names, index
+    _assert_match(ref, got, names)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["ratio_metrics", "summed_losses"])
+def test_a_partition_search_during_fit_trains_as_one_process(tmp_path, name):
+    """partitions="auto" re-splits the table while fit runs (2, 4, then 8 stripes over 2 PS tasks, then the count
+    chosen). ratio_metrics validates at each epoch's end: before, its test function, traced while the table had 4
+    stripes, read the freed stripes after the next re-split (NotFound at the second validation). summed_losses'
+    table has an embeddings_regularizer: before, Keras' regularization losses (one per stripe) read the freed
+    stripes after the first re-split (FailedPrecondition at the next step)."""
+    ref, got, run = testing.reference_and_job(os.path.join(PROGRAMS, "train_keras_programs.py"), tmp_path,
+                                              timeout=300, ps=2, args=[f"searched:{name}"])
+    assert run.returncode == 0, run.report()
+    assert re.search(r"repartitioned \S+: 4 -> 8 shard", run.logs()["worker-0.log"]), run.report()
+    _assert_match(ref, got, [name])
+
+
+def _assert_match(ref, got, names):
     for name in names:
         a, b = np.load(os.path.join(ref, f"{name}.npz")), np.load(os.path.join(got, f"{name}.npz"))
         assert a.files == b.files, name

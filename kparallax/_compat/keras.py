@@ -16,6 +16,7 @@
 """
 
 import contextlib
+import functools
 import random
 import sys
 import typing
@@ -450,8 +451,10 @@ def progbar_logger():
 
 
 def reset_train_function(model):
-    """Makes ``Model.fit`` retrace its train step (after a layer's variables were replaced)."""
-    model.train_function = None
+    """Makes ``Model.fit`` retrace its train step now, and the test and predict functions at their next use (after
+    a layer's variables were replaced during ``fit``: every function traced before holds the old variables' handles,
+    as a validation's test function traced while a partition search tried another shard count)."""
+    reset_traced_functions(model)
     model.train_function = model.make_train_function(force=True)
 
 
@@ -527,8 +530,9 @@ def layers_holding(model, variable):
 
 
 def replace_weights(model, old_shards, old_sharded, new_shards, new_sharded):
-    """Points every layer of ``model`` holding ``old_shards`` at the new shards (after a re-partitioning;
-    Keras' private weight lists are edited by object identity)."""
+    """Points every layer of ``model`` holding ``old_shards`` at the new shards (after a re-partitioning, or for a
+    save with the table whole): Keras' private weight lists are edited by object identity, and the layer's weight
+    regularizers are rebound."""
     for layer in model._flatten_layers():  # pylint: disable=protected-access
         for attr in ("_trainable_weights", "_non_trainable_weights"):
             weights = getattr(layer, attr, None)
@@ -540,6 +544,27 @@ def replace_weights(model, old_shards, old_sharded, new_shards, new_sharded):
         for name, value in list(vars(layer).items()):
             if value is old_sharded:
                 setattr(layer, name, new_sharded)
+        _rebind_weight_regularizers(layer, old_shards, new_shards)
+
+
+def _rebind_weight_regularizers(layer, old_shards, new_shards):
+    """Points the weight-regularization losses ``add_weight`` gave ``layer`` for ``old_shards`` at ``new_shards``.
+    Keras keeps one per shard of a split variable (a ``ShardedVariable`` is iterated) in the private
+    ``_callable_losses``, as ``partial(_tag_callable, partial(_loss_for_variable, shard))``; the first old shard's
+    becomes one per new shard, in its place, and the other old shards' are dropped."""
+    losses = getattr(layer, "_callable_losses", None)
+    if not losses:
+        return
+    rebound, done = [], False
+    for loss in losses:
+        inner = loss.args[0] if isinstance(loss, functools.partial) and len(loss.args) == 1 else None
+        held = inner.args[0] if isinstance(inner, functools.partial) and len(inner.args) == 1 else None
+        if held is None or not any(held is s for s in old_shards):
+            rebound.append(loss)
+        elif not done:
+            rebound += [functools.partial(loss.func, functools.partial(inner.func, s)) for s in new_shards]
+            done = True
+    losses[:] = rebound
 
 
 @contextlib.contextmanager

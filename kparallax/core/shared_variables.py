@@ -71,6 +71,7 @@ class SharedVariableStore:
     def _wait_initialized(self, variable, path, ps_task):
         deadline = time.monotonic() + self._init_timeout
         delay = 0.01
+        elsewhere = None  # handles to the other PS tasks' variables of this name, made once while waiting
         with tf.init_scope():
             while not tf_compat.is_initialized(variable):
                 if time.monotonic() > deadline:
@@ -80,17 +81,23 @@ class SharedVariableStore:
                         f"log: it must build the same model. {ASYMMETRIC_CAUSE} Received: init_timeout="
                         f"{self._init_timeout}.")
                 if delay == 0.5:
-                    self._refuse_placed_elsewhere(variable, path, ps_task)
+                    if elsewhere is None:
+                        elsewhere = self._elsewhere(variable, ps_task)
+                    self._refuse_placed_elsewhere(elsewhere, path, ps_task)
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
         logging.debug("shared variable %s is initialized", path)
 
-    def _refuse_placed_elsewhere(self, variable, path, ps_task):
-        """Raises if the chief initialized this worker's shared variable on another PS task: the workers placed the
-        same variable differently (they will never agree)."""
-        elsewhere = [i for i in range(len(self._cluster.ps)) if i != ps_task and tf_compat.is_initialized(
-            tf_compat.shared_variable(variable.kp_shared_name, CONTAINER, variable.shape, variable.dtype,
-                                      self._cluster.ps_device(i), False))]
+    def _elsewhere(self, variable, ps_task):
+        """Handles to ``variable``'s shared name on every other PS task, by task index."""
+        return {i: tf_compat.shared_variable(variable.kp_shared_name, CONTAINER, variable.shape, variable.dtype,
+                                             self._cluster.ps_device(i), False)
+                for i in range(len(self._cluster.ps)) if i != ps_task}
+
+    def _refuse_placed_elsewhere(self, handles, path, ps_task):
+        """Raises if the chief initialized this worker's shared variable on another PS task (one of ``handles``):
+        the workers placed the same variable differently (they will never agree)."""
+        elsewhere = [i for i, handle in handles.items() if tf_compat.is_initialized(handle)]
         if elsewhere:
             raise ValueError(
                 f"Shared variable {path!r} is on ps[{ps_task}] on this worker, but the chief (worker 0) put it on "

@@ -13,11 +13,15 @@ import tensorflow as tf
 import kparallax as kp
 
 VOCAB, EMB, LEN = 101, 4, 3
+REGULARIZATION = 1e-3
 
 
 def build():
     ids = tf.keras.Input((LEN,), dtype=tf.int32, name="ids")
-    x = tf.keras.layers.Flatten()(tf.keras.layers.Embedding(VOCAB, EMB, name="table")(ids))
+    # A regularized table: Keras keeps its loss per stripe, and a saved model holds one over the whole table (before,
+    # the SavedModel was refused: its traced losses captured a stripe the saved object did not reach).
+    x = tf.keras.layers.Flatten()(tf.keras.layers.Embedding(
+        VOCAB, EMB, embeddings_regularizer=tf.keras.regularizers.l2(REGULARIZATION), name="table")(ids))
     return tf.keras.Model(ids, tf.keras.layers.Dense(1, name="out")(x))
 
 
@@ -36,6 +40,11 @@ def main(out):
     model.save(os.path.join(out, "model.h5"))
     model.save(os.path.join(out, "saved_model"))
     model.save_weights(os.path.join(out, "weights.h5"))
+    # After the saves, the loss is the stripes' again (one each), of the whole table's value.
+    table = model.get_layer("table").get_weights()[0]
+    assert len(model.losses) == 2, model.losses
+    np.testing.assert_allclose(float(tf.add_n(model.losses)), REGULARIZATION * float(np.sum(np.square(table))),
+                               rtol=1e-5)
     with strategy.scope():
         again = build()
         again.compile(optimizer="sgd", loss="mse")

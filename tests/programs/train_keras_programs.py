@@ -1,7 +1,9 @@
 """Runs keras_programs in one plain process (MODE=reference, global batch) or under kparallax (MODE=kparallax,
 per-worker batch; under kparallax-run). Writes OUT_DIR/<program>.npz (weights, then any logged values) from worker
 0. SHARD ("i/n", default "0/1") runs part i of n of the programs (keras_programs.shard); "striped" runs
-keras_programs.STRIPED, under kparallax with every table in 3 stripes (partitions=3).
+keras_programs.STRIPED, under kparallax with every table in 3 stripes (partitions=3); "searched:NAME" runs program
+NAME, under kparallax with partitions="auto" (max_partitions=8, auto_steps=1: 2, 4 and 8 stripes over its first 6
+steps, then the one chosen), so the search re-partitions its tables during its fit.
 Usage: train_keras_programs.py OUT_DIR MODE [SHARD]"""
 
 import contextlib
@@ -20,13 +22,18 @@ def main(out_dir, mode, part="0/1"):
         scope, batch, chief = contextlib.nullcontext, PER_WORKER_BATCH * programs.WORKERS, True
     else:
         import kparallax as kp  # pylint: disable=import-outside-toplevel
-        strategy = kp.HybridStrategy(partitions=3 if part == "striped" else 1)
+        options = {"partitions": 3} if part == "striped" else {}
+        if part.startswith("searched:"):
+            options = {"partitions": "auto", "max_partitions": 8, "auto_steps": 1}
+        strategy = kp.HybridStrategy(**options)
         scope, batch, chief = strategy.scope, PER_WORKER_BATCH, strategy.is_chief
         programs.RANK, programs.RUN_WORKERS = strategy.worker_index, strategy.num_workers
         programs.pair_weights_per_table(strategy.registry.table_of)
     programs.SHARED_DIR = out_dir
     if part == "striped":
         names = programs.striped()
+    elif part.startswith("searched:"):
+        names = [part.split(":", 1)[1]]
     else:
         index, count = (int(n) for n in part.split("/"))
         names = programs.shard(index, count)
