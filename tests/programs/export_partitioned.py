@@ -53,7 +53,8 @@ def main(out):
         np.testing.assert_array_equal(a, b)
     if strategy.is_chief:
         np.savez(os.path.join(out, "expected.npz"), *model.get_weights(), x=x[:8], predictions=model.predict(x[:8]),
-                 x_train=x, y_train=y, **{f"initial_{i}": w for i, w in enumerate(initial)})
+                 x_train=x, y_train=y, regularization=REGULARIZATION,
+                 **{f"initial_{i}": w for i, w in enumerate(initial)})
         print("exported", flush=True)
     # Saved just before the load, late (worker 0 writes, the others return at once): load_model's barrier keeps
     # worker 1 from reading the file before it is complete.
