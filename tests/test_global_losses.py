@@ -68,6 +68,52 @@ def test_micro_batches_count_in_a_summed_loss():
     np.testing.assert_allclose(float(summed(y_true, y_pred)), 12 * 6, rtol=1e-6)
 
 
+
+class _InBatchLoss(tf.keras.losses.Loss):
+    """A loss giving one scalar, ``reduce`` of the per-example losses of in-batch negatives: each row's label is its
+    own position among the batch's candidates (one logit column each)."""
+
+    def __init__(self, reduce):
+        super().__init__()
+        self.reduce = reduce
+
+    def call(self, y_true, y_pred):
+        del y_true
+        labels = tf.range(tf.shape(y_pred)[0])
+        return self.reduce(tf.keras.losses.sparse_categorical_crossentropy(labels, y_pred, from_logits=True))
+
+
+@pytest.mark.parametrize("rows", [None, 4], ids=["unknown_batch", "static_batch"])
+def test_a_loss_function_giving_one_scalar_of_rows_that_meet_is_told_from_its_per_example_values(rows):
+    # Told a sum or a mean from the per-example losses repeated twice. Before, the whole function ran on the batch
+    # repeated twice, 8 labels against 4 columns: "Received a label value of 7 which is outside the valid range".
+    # The mean is left as it is, the sum multiplied by the 2 workers (as reduction="sum" is).
+    scales = keras_losses.LossScales(2, None, lambda count: count)
+    logits = tf.constant(np.random.default_rng(3).normal(size=(4, 4)), tf.float32)
+    per_example = tf.keras.losses.sparse_categorical_crossentropy(tf.range(4), logits, from_logits=True)
+    for reduce, factor in ((tf.reduce_mean, 1.0), (tf.reduce_sum, 2.0)):
+        scaled = keras_losses._ScaledLoss(_InBatchLoss(reduce), lambda: scales)  # pylint: disable=protected-access
+        np.testing.assert_allclose(float(_traced(scaled, rows)(tf.zeros([4]), logits)),
+                                   factor * float(reduce(per_example)), rtol=1e-6, err_msg=reduce.__name__)
+
+
+@pytest.mark.parametrize("rows", [None, 4], ids=["unknown_batch", "static_batch"])
+def test_a_mean_over_the_rows_of_a_static_batch_as_wide_as_it_stays_a_mean(rows):
+    # The rows' mean has the static batch's size (4 columns): it would be taken for rows, and its sum for a sum over
+    # the batch. With a batch of static size such a tensor makes the whole function run on the doubled batch.
+    scales = keras_losses.LossScales(2, None, lambda count: count)
+    columns_mean = tf.keras.losses.Loss()
+    columns_mean.call = lambda y_true, y_pred: tf.reduce_sum(tf.reduce_mean(y_pred, axis=0))
+    scaled = keras_losses._ScaledLoss(columns_mean, lambda: scales)  # pylint: disable=protected-access
+    y_pred = tf.reshape(tf.range(16, dtype=tf.float32), [4, 4])
+    np.testing.assert_allclose(float(_traced(scaled, rows)(tf.zeros([4]), y_pred)), 30.0, rtol=1e-6)
+
+
+def _traced(scaled, rows):
+    """``scaled(y_true, y_pred)`` traced for a batch of ``rows`` rows (None: unknown) of 4 columns."""
+    return tf.function(scaled, input_signature=[tf.TensorSpec([rows], tf.float32),
+                                                tf.TensorSpec([rows, 4], tf.float32)])
+
 def test_a_masked_loss_under_micro_batches_is_refused():
     masked = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0, name="masked_xent")
     labels, logits = tf.constant([0, 1, 2, 1]), tf.zeros((4, 3))

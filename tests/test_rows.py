@@ -1,7 +1,8 @@
 """kp.all_gather / kp.row_offset (in-batch negatives, step/rows.py): a retrieval model scoring each query against
 every candidate of the batch (subclassed, and functional: called on a Keras tensor, a Lambda layer), on 2 workers +
-1 PS with a partial last batch, equals one plain process on the global batch under each architecture; without them
-it does not (measured: 0.11 off, the loss 2.70 against 3.39). Outside kparallax's training step they are the
+1 PS with a partial last batch, equals one plain process on the global batch under each architecture, also with a
+loss function giving one scalar (a mean, a sum) of the per-example losses; without them it does not (measured: 0.11
+off, the loss 2.70 against 3.39). Outside kparallax's training step they are the
 identity and 0; an asynchronous step refuses them. A tf.distribute program's gather
 (``tf.distribute.get_replica_context().all_gather``, the default context's identity under kparallax) is refused in
 the training step of several workers."""
@@ -49,6 +50,22 @@ def test_in_batch_negatives_gathered_over_the_workers_match_one_plain_process(tm
     # gather's.
     where = "replicated" if architecture == "allreduce" else "ps[0]"
     assert f"placement: retrieval/embedding/embeddings [120, 6] -> {where}" in run.logs()["worker-0.log"]
+    _assert_equal(ref, got)
+
+
+@pytest.mark.multiprocess
+def test_a_loss_function_giving_one_scalar_of_in_batch_negatives_matches_one_plain_process(tmp_path):
+    # The loss function reduces the per-example losses itself: their mean (subclassed), their sum (functional).
+    # kparallax tells a sum from a mean by the value on the batch repeated twice, recomputed from the per-example
+    # losses. Before, it ran the whole function on the doubled batch, whose labels (tf.range over the rows) ran past
+    # the candidates' columns: "Received a label value of 63 which is outside the valid range of [0, 32)".
+    ref, got, run = testing.reference_and_job(PROGRAM, tmp_path, args=["scalar_losses"])
+    assert run.returncode == 0, run.report()
+    _assert_equal(ref, got)
+
+
+def _assert_equal(ref, got):
+    """The two models' weights, epoch losses and evaluated loss in ``got`` equal one plain process's in ``ref``."""
     for name in ("subclassed", "functional"):
         a, b = np.load(os.path.join(ref, f"{name}.npz")), np.load(os.path.join(got, f"{name}.npz"))
         assert a.files == b.files, name

@@ -1,5 +1,6 @@
 """How kparallax tells a metric value given once per batch to be a sum or a mean over the batch
-(``kparallax/step/scalar_metrics.py``): the value recomputed, in the traced step, on the batch's rows repeated twice.
+(``kparallax/_compat/repeated_rows.py``, for ``step/scalar_metrics.py``): the value recomputed, in the traced step,
+on the batch's rows repeated twice.
 Read from traced graphs and run in one process; that the weighted updates log one process's values on 2 workers is
 checked by ``test_keras_programs.py`` (``added_metrics``, ``tracked_train_step``), the eager fallback's warning there
 too (``run_eagerly_dense``)."""
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from kparallax.step import scalar_metrics
+from kparallax._compat import repeated_rows
 
 
 def _told(value_of, rows=None, batch=4):
@@ -22,7 +23,7 @@ def _told(value_of, rows=None, batch=4):
     @tf.function(input_signature=[tf.TensorSpec([rows, 3], tf.int32), tf.TensorSpec([rows, 2], tf.float32)])
     def step(ids, features):
         value = value_of(ids, features)
-        return value, scalar_metrics._sums(value, (ids, features))  # pylint: disable=protected-access
+        return value, repeated_rows.sums(value, (ids, features))
 
     value, sums = step(ids, features)
     # The check adds ops beside the value and leaves the value itself alone.
@@ -83,7 +84,7 @@ def test_a_value_made_in_a_branch_reads_the_batch_through_its_captures():
         @tf.function(input_signature=[tf.TensorSpec([None, 2], tf.float32)])
         def step(features):
             return tf.cond(tf.reduce_sum(features) > 0,
-                           lambda: scalar_metrics._sums(value_of(features), features),  # pylint: disable=protected-access
+                           lambda: repeated_rows.sums(value_of(features), features),
                            lambda: tf.constant(False))
 
         return bool(step(tf.ones([3, 2])))
@@ -117,13 +118,13 @@ def test_a_sparse_input_is_read_through_its_rows_only():
     # from its per-row sums is told, one read through a sparse op is not copied.
     @tf.function(input_signature=[tf.SparseTensorSpec([None, 4], tf.float32), tf.TensorSpec([None, 2], tf.float32)])
     def step(sparse, features):
-        assert not scalar_metrics._Tail((sparse, features)).static  # pylint: disable=protected-access
+        assert not repeated_rows.Tail((sparse, features)).static
         rows = tf.sparse.reduce_sum(sparse, axis=1, output_is_sparse=False)
         rows = tf.ensure_shape(rows, [None])
         value = tf.reduce_sum(rows) + tf.reduce_sum(features)
         with pytest.raises(ValueError, match="SparseReduceSum"):
-            scalar_metrics._sums(tf.sparse.reduce_sum(sparse), (sparse, features))  # pylint: disable=protected-access
-        return scalar_metrics._sums(value, (sparse, features))  # pylint: disable=protected-access
+            repeated_rows.sums(tf.sparse.reduce_sum(sparse), (sparse, features))
+        return repeated_rows.sums(value, (sparse, features))
 
     sparse = tf.sparse.from_dense(tf.constant([[1.0, 0, 0, 2], [0, 3, 0, 0]]))
     assert bool(step(sparse, tf.ones([2, 2])))

@@ -17,6 +17,7 @@ import typing
 
 import tensorflow as tf
 
+from kparallax._compat import repeated_rows
 from kparallax._compat import tf as tf_compat
 
 
@@ -126,19 +127,20 @@ def _batch_scalar_sums(fn, y_true, y_pred):
     reduces itself.
 
     The function's output rank is read from a trace of its own, so the step gets no extra ops (and no extra random
-    draws) for a function that gives a value per example, such as every Keras loss and metric."""
+    draws) for a function that gives a value per example, such as every Keras loss and metric. The value on the
+    doubled batch is recomputed from the ops after the batch's rows (``repeated_rows``), which cannot fail where the
+    function runs (before, the whole function ran on the doubled batch: an in-batch-negatives loss, labels
+    ``tf.range`` over the rows against a column per candidate, failed with a label out of range on several workers).
+    Where those ops cannot tell (the step runs eagerly, an op that is not copied, a static batch's count divided by)
+    the whole function runs on the doubled batch."""
     specs = [tf.type_spec_from_value(t) for t in (y_true, y_pred)]
     if tf.function(fn).get_concrete_function(*specs).structured_outputs.shape.rank != 0:
         return None, None
     once = fn(y_true, y_pred)
-    twice = fn(tf.concat([y_true, y_true], axis=0), tf.concat([y_pred, y_pred], axis=0))
-    return once, doubles(once, twice)
-
-
-def doubles(once, twice):
-    """Whether a scalar of the batch sums over it: its value ``once``, and ``twice`` on the batch repeated twice (a
-    boolean tensor, true when ``twice`` is nearer twice ``once`` than ``once``: a sum doubles, a mean stays)."""
-    return tf.abs(twice - 2 * once) < tf.abs(twice - once)
+    twice = repeated_rows.twice_where_told(once, (y_true, y_pred))
+    if twice is None:
+        twice = fn(tf.concat([y_true, y_true], axis=0), tf.concat([y_pred, y_pred], axis=0))
+    return once, repeated_rows.doubles(once, twice)
 
 
 def batch_scalar_update(value, sums, workers, share):

@@ -1,12 +1,14 @@
 """A retrieval model trained with in-batch negatives: each query scored against every candidate of the batch.
 
-Usage: in_batch_negatives.py OUT_DIR MODE [SYNC [ARCHITECTURE]]
+Usage: in_batch_negatives.py OUT_DIR MODE [OPTION...]
   MODE=reference: one plain process on the global batch, the candidates its own batch (never imports kparallax).
   MODE=kparallax: under kparallax-run, per-worker batch, the candidates gathered with kp.all_gather and the labels
-  offset by kp.row_offset; SYNC ("sync" or "async") sets the strategy's sync option, ARCHITECTURE its architecture
-  (default hybrid).
+  offset by kp.row_offset. OPTIONs: "async" (the strategy's sync=False; default "sync"), an architecture ("hybrid",
+  the default, "ps", "allreduce").
   MODE=tf-distribute: under kparallax-run, the subclassed model gathering as a program written for tf.distribute
   does (tf.distribute.get_replica_context().all_gather, labels offset by its replica id): kparallax refuses it.
+OPTION "scalar_losses" (both modes): the loss function gives one scalar for the batch, the mean of the per-example
+losses for the subclassed model and their sum for the functional one (default: the per-example losses).
 The model is built twice, subclassed and functional; writes OUT_DIR/subclassed.npz and OUT_DIR/functional.npz
 (weights, then the epoch losses and the evaluated loss) from worker 0 (or the one process).
 """
@@ -49,13 +51,15 @@ def functional(gather):
     return tf.keras.Model([queries, candidates], tf.matmul(q, gather(d), transpose_b=True))
 
 
-def in_batch_loss(offset):
+def in_batch_loss(offset, reduce=None):
     """Each query's own candidate as its label: ``offset(logits)`` (where this worker's rows are among the
-    candidates) plus its row."""
+    candidates) plus its row. ``reduce``: a reduction of the per-example losses to one scalar (``tf.reduce_mean``,
+    ``tf.reduce_sum``) in the function itself, or None (Keras reduces them)."""
     def loss(y_true, logits):
         del y_true
         labels = offset(logits) + tf.range(tf.shape(logits)[0])
-        return tf.keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+        per_example = tf.keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+        return per_example if reduce is None else reduce(per_example)
     return loss
 
 
@@ -76,7 +80,11 @@ def _replica_offset(logits):
     return tf.distribute.get_replica_context().replica_id_in_sync_group * tf.shape(logits)[0]
 
 
-def main(out_dir, mode, sync="sync", architecture="hybrid"):
+def main(out_dir, mode, *options):
+    sync = "async" not in options
+    architecture = next((o for o in options if o in ("hybrid", "ps", "allreduce")), "hybrid")
+    reductions = ({"subclassed": tf.reduce_mean, "functional": tf.reduce_sum} if "scalar_losses" in options
+                  else {"subclassed": None, "functional": None})
     rng = np.random.default_rng(89)
     queries = np.minimum(rng.zipf(1.4, size=(ROWS, LEN)) - 1, VOCAB - 1).astype(np.int32)
     candidates = rng.integers(1, VOCAB, size=(ROWS, LEN)).astype(np.int32)
@@ -85,7 +93,7 @@ def main(out_dir, mode, sync="sync", architecture="hybrid"):
         gather, offset = _identity, (lambda logits: 0)
     else:
         import kparallax as kp  # pylint: disable=import-outside-toplevel
-        strategy = kp.HybridStrategy(kp.Cluster.from_env(), sync=sync == "sync", architecture=architecture)
+        strategy = kp.HybridStrategy(kp.Cluster.from_env(), sync=sync, architecture=architecture)
         scope, batch, chief = strategy.scope, PER_WORKER_BATCH, strategy.is_chief
         gather, offset = ((_replica_gather, _replica_offset) if mode == "tf-distribute"
                           else (kp.all_gather, kp.row_offset))
@@ -97,7 +105,7 @@ def main(out_dir, mode, sync="sync", architecture="hybrid"):
             model([queries[:2], candidates[:2]])
             init = np.random.default_rng(21)
             model.set_weights([init.normal(scale=0.3, size=w.shape).astype(np.float32) for w in model.get_weights()])
-            model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss=in_batch_loss(offset))
+            model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss=in_batch_loss(offset, reductions[name]))
             history = model.fit([queries, candidates], np.zeros((ROWS,), np.float32), batch_size=batch, epochs=2,
                                 shuffle=False, verbose=0)
             # evaluate sees the whole input on every worker: the candidates are the batch's, as in one process.
