@@ -3,7 +3,8 @@ every candidate of the batch (subclassed, and functional: called on a Keras tens
 1 PS with a partial last batch, equals one plain process on the global batch under each architecture, also with a
 loss function giving one scalar (a mean, a sum) of the per-example losses; without them it does not (measured: 0.11
 off, the loss 2.70 against 3.39). Outside kparallax's training step they are the
-identity and 0; an asynchronous step refuses them. A tf.distribute program's gather
+identity and 0; an asynchronous step refuses them. Without a gather the batch's rows scored against each other
+(``step/rows_meet.py``) are refused on several workers. A tf.distribute program's gather
 (``tf.distribute.get_replica_context().all_gather``, the default context's identity under kparallax) is refused in
 the training step of several workers."""
 
@@ -16,6 +17,7 @@ import tensorflow as tf
 
 import kparallax as kp
 from kparallax import testing
+from kparallax.step import rows_meet
 
 PROGRAM = os.path.join(os.path.dirname(__file__), "programs", "in_batch_negatives.py")
 
@@ -40,6 +42,53 @@ def test_on_a_keras_tensor_they_are_layers_of_the_functional_model():
     logits, offset = model([x, x])
     assert logits.shape == (5, 5) and int(offset) == 0
 
+
+
+def _refusal(product, rows=None, workers=2, gathered=False):
+    """Runs ``product(q, d)`` of a batch (q, d) of 4 rows x 3, traced with ``rows`` rows (None: unknown) under
+    ``rows_meet.refused`` for ``workers`` workers (``d`` marked as kp.all_gather's output if ``gathered``):
+    the check's message, or None when the step runs."""
+    kernel = tf.Variable(tf.ones([3, 3]))
+
+    @tf.function(input_signature=[tf.TensorSpec([rows, 3], tf.float32)] * 2)
+    def step(q, d):
+        with rows_meet.refused(workers, 1, (q, d)):
+            return product(q, rows_meet.gathered(d) if gathered else d, kernel)
+
+    try:
+        step(tf.ones([4, 3]), tf.fill([4, 3], 2.0))
+    except tf.errors.InvalidArgumentError as error:
+        return error.message
+    return None
+
+
+SCORED = {
+    "matmul_transpose_b": lambda q, d, w: tf.matmul(q, d, transpose_b=True),
+    "matmul_adjoint_b": lambda q, d, w: tf.linalg.matmul(q, d, adjoint_b=True),
+    "matmul_of_a_transpose": lambda q, d, w: q @ tf.transpose(d),
+    "einsum": lambda q, d, w: tf.einsum("id,jd->ij", q, d),
+    "towers": lambda q, d, w: tf.matmul(tf.tanh(q @ w), tf.nn.relu(d @ w), transpose_b=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCORED))
+def test_rows_scored_against_each_other_are_refused_on_several_workers(name):
+    for rows in (None, 4):
+        message = _refusal(SCORED[name], rows)
+        assert message is not None and "The rows of the batch are scored against each other in " in message, rows
+        assert ("Received: that product in the training step of a job of 2 workers. Gather the candidate rows over "
+                "the workers with kp.all_gather(value)") in message
+    assert _refusal(SCORED[name], workers=1) is None
+    assert _refusal(SCORED[name], gathered=True) is None
+
+
+def test_products_that_do_not_score_the_batch_against_itself_run():
+    # A layer's kernel; sampled candidates (fewer rows than the batch); rows summed over (a Gram matrix: rows that
+    # meet so are not seen, as the README says); each row against its own candidate.
+    for product in (lambda q, d, w: q @ w, lambda q, d, w: tf.matmul(q, d[:2], transpose_b=True),
+                    lambda q, d, w: tf.matmul(q, d, transpose_a=True),
+                    lambda q, d, w: tf.reduce_sum(q * d, axis=1)):
+        assert _refusal(product) is None
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("architecture", ["hybrid", "ps", "allreduce"])
@@ -74,25 +123,38 @@ def _assert_equal(ref, got):
 
 
 @pytest.mark.multiprocess
+def test_in_batch_negatives_without_a_gather_are_refused(tmp_path):
+    # Before, each worker scored its 16 queries against its own 16 candidates and trained silently apart from one
+    # process (0.11 off on this program).
+    _assert_refused(tmp_path, ["kparallax", "no_gather"], (
+        "The rows of the batch are scored against each other in retrieval/MatMul (MatMul of (None, 4) and (None, 4) "
+        "transposed",
+        "Received: that product in the training step of a job of 2 workers. Gather the candidate rows over the "
+        "workers with kp.all_gather(value)"))
+
+
+@pytest.mark.multiprocess
 def test_all_gather_in_an_asynchronous_step_is_refused(tmp_path):
-    run = testing.run_local([sys.executable, PROGRAM, str(tmp_path), "kparallax", "async"],
-                            log_dir=str(tmp_path / "logs"), workers=2, ps=1, timeout=240)
-    assert run.returncode != 0, run.report()
-    for name in ("worker-0.log", "worker-1.log"):
-        assert ("kp.all_gather / kp.row_offset in an asynchronous training step (sync=False), where the workers do "
-                "not step together is not supported") in run.logs()[name], run.report()
-    assert not os.path.exists(tmp_path / "subclassed.npz")
+    _assert_refused(tmp_path, ["kparallax", "async"], (
+        "kp.all_gather / kp.row_offset in an asynchronous training step (sync=False), where the workers do not step "
+        "together is not supported",))
 
 
 @pytest.mark.multiprocess
 def test_a_tf_distribute_replica_gather_in_the_training_step_is_refused(tmp_path):
-    run = testing.run_local([sys.executable, PROGRAM, str(tmp_path), "tf-distribute"],
-                            log_dir=str(tmp_path / "logs"), workers=2, ps=1, timeout=240)
+    _assert_refused(tmp_path, ["tf-distribute"], (
+        "tf.distribute.get_replica_context().all_gather in kparallax's training step gathers nothing",
+        "Received: all_gather of a value of shape (None, 4) along axis 0 in the training step of a job of 2 workers. "
+        "Gather the rows with kp.all_gather(value)"))
+
+
+def _assert_refused(tmp_path, args, expected):
+    """The program run with ``args`` on 2 workers + 1 PS fails, each worker's log holds every ``expected`` line,
+    and nothing is written."""
+    run = testing.run_local([sys.executable, PROGRAM, str(tmp_path), *args], log_dir=str(tmp_path / "logs"),
+                            workers=2, ps=1, timeout=240)
     assert run.returncode != 0, run.report()
     for name in ("worker-0.log", "worker-1.log"):
-        log = run.logs()[name]
-        assert "tf.distribute.get_replica_context().all_gather in kparallax's training step gathers nothing" in log, (
-            run.report())
-        assert ("Received: all_gather of a value of shape (None, 4) along axis 0 in the training step of a job of 2 "
-                "workers. Gather the rows with kp.all_gather(value)") in log, run.report()
+        for line in expected:
+            assert line in run.logs()[name], (name, line, run.report())
     assert not os.path.exists(tmp_path / "subclassed.npz")

@@ -11,6 +11,10 @@ below says which versions its workarounds are for and which symptom each prevent
     hosts       the host-name check for Horovod's Gloo process sets across hosts
     process     the teardown exit (TF's static destructors can abort a process holding live gRPC channels)
     bind_shim   LD_PRELOAD library that keeps TF's servers off the wildcard address
+    assign_hook, striped, batch_norm, keras_losses
+                the assignment hook, the striped table, BatchNormalization's statistics, compiled losses and metrics
+    repeated_rows
+                a scalar of a traced step recomputed on the batch's rows repeated twice (a sum or a mean)
 
 Importing this package imports nothing: the launcher uses ``hosts``, ``process`` and ``bind_shim`` and must never
 load TensorFlow or Horovod.

@@ -97,7 +97,7 @@ class Tail:
         """Whether the batch has a size known while tracing: TensorFlow folds its shape into constants then."""
         return bool(self._rows)
 
-    def _from_batch(self, tensor):
+    def reaches(self, tensor):
         """Whether the batch reaches ``tensor`` (memoized, iteratively: a forward pass is deep)."""
         stack = [(tensor, False)]
         while stack:
@@ -128,7 +128,7 @@ class Tail:
 
     def twice(self, value):
         """``value`` computed with the batch's rows repeated twice, or None when the batch does not reach it."""
-        if not self._from_batch(value):
+        if not self.reaches(value):
             return None
         order, seen, stack = [], set(), [(value, False)]
         while stack:  # post-order: every tensor after what it is computed from
@@ -157,14 +157,14 @@ class Tail:
 
     def _copied(self, tensor):
         """Whether ``tensor`` is recomputed from its inputs (else it is repeated, or taken as it is)."""
-        if not tf.is_symbolic_tensor(tensor) or not self._from_batch(tensor) or self._is_rows(tensor):
+        if not tf.is_symbolic_tensor(tensor) or not self.reaches(tensor) or self._is_rows(tensor):
             return False
         if tensor.op.type == "Placeholder":
             return True  # a capture: stands for its enclosing graph's tensor
         return not tensor.op._is_stateful  # pylint: disable=protected-access
 
     def _copy(self, tensor):
-        if not tf.is_symbolic_tensor(tensor) or not self._from_batch(tensor):
+        if not tf.is_symbolic_tensor(tensor) or not self.reaches(tensor):
             return tensor
         if self._is_rows(tensor):
             if tensor.ref() not in self._data:

@@ -53,6 +53,7 @@ from kparallax.step import logs as logs_lib
 from kparallax.step import global_losses
 from kparallax.step import gradient_transforms
 from kparallax.step import replica_context
+from kparallax.step import rows_meet
 from kparallax.step import scalar_metrics
 from kparallax.step import state_variables
 from kparallax.step import train_step
@@ -396,7 +397,8 @@ def _train_step(original, model, data):
     (``step/global_losses.py``: compiled losses summed over the batch or masked, and, when batches may differ in
     size, each worker's gradient and logged scalars weighted by its share of the global batch); a tf.distribute
     replica context's ``all_gather`` and a user's ``all_reduce``, which would gather and reduce nothing, are refused
-    (``step/replica_context.py``)."""
+    (``step/replica_context.py``), and so are the batch's rows scored against each other without ``kp.all_gather``
+    (``step/rows_meet.py``)."""
     state = compiled(model)
     strategy = state.strategy
     iterations = model.optimizer.iterations.read_value()  # before this step's update (program order)
@@ -407,6 +409,7 @@ def _train_step(original, model, data):
     with (statistics, global_losses.workers(strategy.num_workers, share, strategy.options.backward_passes_per_step),
           _worker_random_seed(strategy),
           train_step.model_step(strategy), replica_context.refused(strategy),
+          rows_meet.refused(strategy.num_workers, strategy.options.backward_passes_per_step, data),
           gradient_transforms.recording(),
           scalar_metrics.weighing(model, data, strategy.num_workers, share),
           state_variables.combined(model, strategy.is_ps_variable, strategy.num_workers, share)):

@@ -3,7 +3,8 @@
 kparallax's step is one process's only when each row's loss depends on that row alone: each worker computes its own
 rows' losses, and their gradients are averaged. A retrieval model scoring every query against every candidate of the
 batch (logits ``q @ d^T``, labels ``tf.range(batch)``) scores each worker's queries against that worker's candidates
-only: a smaller softmax, other gradients, silently (0.69 off one process after 2 epochs on the README's probe).
+only: a smaller softmax, other gradients (0.69 off one process after 2 epochs on the README's probe; such a
+product without a gather is refused at the first step, ``rows_meet.py``).
 Horovod's users gather the candidates themselves (``hvd.allgather``), tf.distribute's ``ReplicaContext.all_gather``;
 ``all_gather`` is that for kparallax, with ``row_offset`` for the labels:
 
@@ -33,6 +34,7 @@ from horovod import tensorflow as hvd
 
 from kparallax.step import collectives
 from kparallax.step import global_losses
+from kparallax.step import rows_meet
 from kparallax.step import train_step
 
 
@@ -95,7 +97,7 @@ def all_gather(value):
     num_workers = strategy.num_workers
     value = tf.convert_to_tensor(value)
     if not value.dtype.is_floating:
-        return collectives.allgather([value], num_workers, _unique("kp_all_gather"))[0]
+        return rows_meet.gathered(collectives.allgather([value], num_workers, _unique("kp_all_gather"))[0])
     share = global_losses.gradient_share()
     sizes, start = _sizes(value, strategy)
 
@@ -113,7 +115,7 @@ def all_gather(value):
 
         return gathered, backward
 
-    return gather(value)
+    return rows_meet.gathered(gather(value))
 
 
 @tf.autograph.experimental.do_not_convert

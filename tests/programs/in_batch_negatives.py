@@ -4,7 +4,8 @@ Usage: in_batch_negatives.py OUT_DIR MODE [OPTION...]
   MODE=reference: one plain process on the global batch, the candidates its own batch (never imports kparallax).
   MODE=kparallax: under kparallax-run, per-worker batch, the candidates gathered with kp.all_gather and the labels
   offset by kp.row_offset. OPTIONs: "async" (the strategy's sync=False; default "sync"), an architecture ("hybrid",
-  the default, "ps", "allreduce").
+  the default, "ps", "allreduce"), "no_gather" (the candidates the worker's own batch, as in the reference: kparallax
+  refuses it).
   MODE=tf-distribute: under kparallax-run, the subclassed model gathering as a program written for tf.distribute
   does (tf.distribute.get_replica_context().all_gather, labels offset by its replica id): kparallax refuses it.
 OPTION "scalar_losses" (both modes): the loss function gives one scalar for the batch, the mean of the per-example
@@ -96,6 +97,7 @@ def main(out_dir, mode, *options):
         strategy = kp.HybridStrategy(kp.Cluster.from_env(), sync=sync, architecture=architecture)
         scope, batch, chief = strategy.scope, PER_WORKER_BATCH, strategy.is_chief
         gather, offset = ((_replica_gather, _replica_offset) if mode == "tf-distribute"
+                          else (_identity, lambda logits: 0) if "no_gather" in options
                           else (kp.all_gather, kp.row_offset))
     models = (("subclassed", Retrieval),) if mode == "tf-distribute" else (
         ("subclassed", Retrieval), ("functional", functional))

@@ -1,0 +1,130 @@
+"""Rows of the batch scored against each other without a gather, refused in the training step of several workers.
+
+A retrieval model trained with in-batch negatives scores every query against every candidate of its batch: logits
+``q @ d^T`` over the batch's rows, labels ``tf.range(batch)``. On several workers each worker's batch is a part of
+the global one, so each scores its queries against its own candidates only: a smaller softmax, other gradients,
+and the model trains apart from one process on the global batch, silently (a two-tower model, 2 workers of 16 rows:
+its weights 0.69 off one process after 2 epochs, the logged loss near log 16 against one process's log 32). The
+fix is ``kp.all_gather`` (``rows.py``).
+
+While the synchronous training step of several workers (or micro-batches) is traced (``refused``), each product of
+two rank-2 tensors that the batch reaches and that scores the rows of one against the rows of the other (``a @
+b^T``: ``tf.matmul(a, b, transpose_b=True)``, ``a @ tf.transpose(b)``, ``tf.einsum("id,jd->ij", a, b)``) gets a
+check in the step: it fails at the first step when both sides have as many rows as the worker's batch. A side read
+from ``kp.all_gather``'s output (``gathered``) is not checked; a side of sampled candidates (a sampled softmax's)
+has its sample's rows, so it passes. Products in functions of their own (a ``tf.function`` the step calls, a loop's
+body) are not seen, nor rows that meet in other ways (a softmax over the batch axis, pairwise differences by
+broadcasting).
+"""
+
+import contextlib
+import threading
+
+import tensorflow as tf
+
+from kparallax._compat import keras_losses
+from kparallax._compat import repeated_rows
+from kparallax._compat import tf as tf_compat
+
+_PRODUCTS = {"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"}
+_ACTIVE = threading.local()
+
+
+def gathered(tensor):
+    """Marks ``tensor`` as ``kp.all_gather``'s output in the step being traced: products reading it are not
+    refused (a worker whose part of a partial last batch is empty gathers as many rows as another's batch)."""
+    marked = getattr(_ACTIVE, "gathered", None)
+    if marked is not None:
+        marked.add(tensor.ref())
+    return tensor
+
+
+@contextlib.contextmanager
+def refused(num_workers, micro_batches, data):
+    """While the synchronous training step on ``data`` (this worker's batch) is traced, with ``num_workers`` workers
+    and ``micro_batches`` (``backward_passes_per_step``): products scoring the batch's rows against each other that
+    the step made fail at its first run (see the module's docstring). Nothing on one worker and one micro-batch, or
+    run eagerly."""
+    if num_workers * micro_batches == 1 or tf.executing_eagerly():
+        yield
+        return
+    graph = tf.compat.v1.get_default_graph()
+    first = len(graph.get_operations())
+    outer, _ACTIVE.gathered = getattr(_ACTIVE, "gathered", None), set()
+    try:
+        yield
+        marked = _ACTIVE.gathered
+    finally:
+        _ACTIVE.gathered = outer
+    tail = repeated_rows.Tail(data)
+    meetings = [found for op in graph.get_operations()[first:] for found in [_scored_rows(op)]
+                if found is not None and all(tail.reaches(side) and not _read_from(side, marked)
+                                             for side in found[:2])]
+    if not meetings:
+        return
+    rows = tf.cast(keras_losses.batch_rows(data), tf.int32)
+    for a, b, op in meetings:
+        both = tf.logical_and(tf.equal(tf.shape(a)[0], rows), tf.equal(tf.shape(b)[0], rows))
+        tf.debugging.Assert(tf.logical_not(both), [_message(op, a, b, num_workers, micro_batches)])
+
+
+def _read_from(tensor, marked):
+    """Whether graph tensor ``tensor`` is computed from one of the ``marked`` tensors (refs)."""
+    stack, seen = [tensor], set()
+    while stack:
+        current = stack.pop()
+        if current.ref() in marked:
+            return True
+        if current.ref() in seen:
+            continue
+        seen.add(current.ref())
+        stack.extend(tf_compat.computed_from(current))
+    return False
+
+
+def _scored_rows(op):
+    """(a, b, op) when graph op ``op`` computes ``a @ b^T`` of rank-2 tensors (every row of ``a`` against every row
+    of ``b``); None otherwise."""
+    if op.type == "Einsum":
+        return _einsum_rows(op)
+    if op.type not in _PRODUCTS or len(op.inputs) != 2 or any(x.shape.rank != 2 for x in op.inputs):
+        return None
+    names = ("transpose_a", "transpose_b") if op.type == "MatMul" else ("adj_x", "adj_y")
+    a, transpose_a = _untransposed(op.inputs[0], op.get_attr(names[0]))
+    b, transpose_b = _untransposed(op.inputs[1], op.get_attr(names[1]))
+    return (a, b, op) if not transpose_a and transpose_b else None
+
+
+def _einsum_rows(op):
+    """``_scored_rows`` of an ``Einsum`` op: two rank-2 operands whose first labels make the output's
+    (``"id,jd->ij"``)."""
+    equation = op.get_attr("equation").decode()
+    inputs, _, output = equation.replace(" ", "").partition("->")
+    sides = inputs.split(",")
+    if len(op.inputs) != 2 or len(sides) != 2 or any(len(s) != 2 for s in sides) or len(output) != 2:
+        return None
+    (a_row, a_col), (b_row, b_col) = sides
+    if output != a_row + b_row or a_row == b_row or a_col != b_col or a_col in output:
+        return None
+    return op.inputs[0], op.inputs[1], op
+
+
+def _untransposed(tensor, transposed):
+    """``tensor`` and whether it is used transposed, looking through a ``Transpose`` swapping its two axes."""
+    if tensor.op.type == "Transpose":
+        perm = tf.get_static_value(tensor.op.inputs[1])
+        if perm is not None and list(perm) == [1, 0]:
+            return tensor.op.inputs[0], not transposed
+    return tensor, transposed
+
+
+def _message(op, a, b, num_workers, micro_batches):
+    """The check's error (no apostrophes: TensorFlow escapes them in an assertion's message)."""
+    where = (f"a job of {num_workers} workers" if micro_batches == 1 else
+             f"a job of {num_workers} worker(s) accumulating backward_passes_per_step={micro_batches} micro-batches")
+    return (f"The rows of the batch are scored against each other in {op.name} ({op.type} of {a.shape} and "
+            f"{b.shape} transposed, both with as many rows as the batch of this worker, as in-batch negatives do): "
+            "each worker would score its own rows only, and the model would train apart from one process on the "
+            f"global batch. Received: that product in the training step of {where}. Gather the candidate rows over "
+            "the workers with kp.all_gather(value) and offset the labels by kp.row_offset(value) (with sync=True "
+            "and backward_passes_per_step=1), or score each row against its own candidate only.")
