@@ -44,15 +44,15 @@ def test_on_a_keras_tensor_they_are_layers_of_the_functional_model():
 
 
 
-def _refusal(product, rows=None, workers=2, gathered=False):
+def _refusal(product, rows=None, workers=2, micro_batches=1, gathered=False):
     """Runs ``product(q, d)`` of a batch (q, d) of 4 rows x 3, traced with ``rows`` rows (None: unknown) under
-    ``rows_meet.refused`` for ``workers`` workers (``d`` marked as kp.all_gather's output if ``gathered``):
-    the check's message, or None when the step runs."""
+    ``rows_meet.refused`` for ``workers`` workers and ``micro_batches`` (``d`` marked as kp.all_gather's output if
+    ``gathered``): the check's message, or None when the step runs."""
     kernel = tf.Variable(tf.ones([3, 3]))
 
     @tf.function(input_signature=[tf.TensorSpec([rows, 3], tf.float32)] * 2)
     def step(q, d):
-        with rows_meet.refused(workers, 1, (q, d)):
+        with rows_meet.refused(workers, micro_batches, (q, d)):
             return product(q, rows_meet.gathered(d) if gathered else d, kernel)
 
     try:
@@ -79,6 +79,8 @@ def test_rows_scored_against_each_other_are_refused_on_several_workers(name):
         assert ("Received: that product in the training step of a job of 2 workers. Gather the candidate rows over "
                 "the workers with kp.all_gather(value)") in message
     assert _refusal(SCORED[name], workers=1) is None
+    assert "a job of 1 worker(s) accumulating backward_passes_per_step=2 micro-batches" in _refusal(
+        SCORED[name], workers=1, micro_batches=2)
     assert _refusal(SCORED[name], gathered=True) is None
 
 

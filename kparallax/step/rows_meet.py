@@ -56,14 +56,14 @@ def refused(num_workers, micro_batches, data):
         marked = _ACTIVE.gathered
     finally:
         _ACTIVE.gathered = outer
-    tail = repeated_rows.Tail(data)
-    meetings = [found for op in graph.get_operations()[first:] for found in [_scored_rows(op)]
-                if found is not None and all(tail.reaches(side) and not _read_from(side, marked)
-                                             for side in found[:2])]
-    if not meetings:
-        return
-    rows = tf.cast(keras_losses.batch_rows(data), tf.int32)
-    for a, b, op in meetings:
+    tail, rows = repeated_rows.Tail(data), None
+    for op in graph.get_operations()[first:]:
+        sides = _scored_rows(op)
+        if sides is None or not all(tail.reaches(side) and not _read_from(side, marked) for side in sides):
+            continue
+        a, b = sides
+        if rows is None:
+            rows = tf.cast(keras_losses.batch_rows(data), tf.int32)
         both = tf.logical_and(tf.equal(tf.shape(a)[0], rows), tf.equal(tf.shape(b)[0], rows))
         tf.debugging.Assert(tf.logical_not(both), [_message(op, a, b, num_workers, micro_batches)])
 
@@ -83,8 +83,8 @@ def _read_from(tensor, marked):
 
 
 def _scored_rows(op):
-    """(a, b, op) when graph op ``op`` computes ``a @ b^T`` of rank-2 tensors (every row of ``a`` against every row
-    of ``b``); None otherwise."""
+    """(a, b) when graph op ``op`` computes ``a @ b^T`` of rank-2 tensors (every row of ``a`` against every row of
+    ``b``); None otherwise."""
     if op.type == "Einsum":
         return _einsum_rows(op)
     if op.type not in _PRODUCTS or len(op.inputs) != 2 or any(x.shape.rank != 2 for x in op.inputs):
@@ -92,7 +92,7 @@ def _scored_rows(op):
     names = ("transpose_a", "transpose_b") if op.type == "MatMul" else ("adj_x", "adj_y")
     a, transpose_a = _untransposed(op.inputs[0], op.get_attr(names[0]))
     b, transpose_b = _untransposed(op.inputs[1], op.get_attr(names[1]))
-    return (a, b, op) if not transpose_a and transpose_b else None
+    return (a, b) if not transpose_a and transpose_b else None
 
 
 def _einsum_rows(op):
@@ -106,7 +106,7 @@ def _einsum_rows(op):
     (a_row, a_col), (b_row, b_col) = sides
     if output != a_row + b_row or a_row == b_row or a_col != b_col or a_col in output:
         return None
-    return op.inputs[0], op.inputs[1], op
+    return op.inputs[0], op.inputs[1]
 
 
 def _untransposed(tensor, transposed):
