@@ -87,7 +87,7 @@ class Tail:
         # A batch of static size, from its dense tensors (a SparseTensor's parts are not rows: its dense_shape is [2])
         dense = [t for t in tf.nest.flatten(data) if isinstance(t, tf.Tensor)]
         self._rows = {t.shape[0] for t in dense if t.shape.rank} - {None}
-        self._reached = {}
+        self._reached = dict.fromkeys(self._data, True)  # whether the batch reaches a tensor, by ref
         self._copies = {}
         self.divides = False  # whether a copied op divides (by a count, say)
         self.rows_made_by = set()  # the types of the ops giving the tensors taken as rows (the batch's own: none)
@@ -98,22 +98,9 @@ class Tail:
         return bool(self._rows)
 
     def reaches(self, tensor):
-        """Whether the batch reaches ``tensor`` (memoized, iteratively: a forward pass is deep)."""
-        stack = [(tensor, False)]
-        while stack:
-            current, expanded = stack.pop()
-            if current.ref() in self._reached:
-                continue
-            inputs = tf_compat.computed_from(current)
-            if current.ref() in self._data:
-                self._reached[current.ref()] = True
-                continue
-            if not expanded and any(x.ref() not in self._reached for x in inputs):
-                stack.append((current, True))
-                stack.extend((x, False) for x in inputs if x.ref() not in self._reached)
-                continue
-            self._reached[current.ref()] = any(self._reached[x.ref()] for x in inputs)
-        return self._reached[tensor.ref()]
+        """Whether the batch reaches ``tensor`` (memoized; the batch's own tensors are not walked past)."""
+        return tf_compat.fold_back(tensor, self._reached,
+                                   lambda current, inputs: any(self._reached[x.ref()] for x in inputs))
 
     def _is_rows(self, tensor):
         """Whether ``tensor`` (reached by the batch) holds rows of it along its first dimension: a batch tensor, or

@@ -359,6 +359,24 @@ def computed_from(tensor):
     return list(tensor.op.inputs)
 
 
+def fold_back(tensor, memo, value_of):
+    """``value_of(t, computed_from(t))`` for graph tensor ``tensor`` and every tensor it is computed from, each after
+    its inputs, kept in ``memo`` (by ``ref()``; a tensor already there is neither recomputed nor walked past). Walks
+    iteratively: a forward pass is deep. Returns ``memo[tensor.ref()]``."""
+    stack = [(tensor, False)]
+    while stack:
+        current, expanded = stack.pop()
+        if current.ref() in memo:
+            continue
+        inputs = computed_from(current)
+        if not expanded and any(x.ref() not in memo for x in inputs):
+            stack.append((current, True))
+            stack.extend((x, False) for x in inputs if x.ref() not in memo)
+            continue
+        memo[current.ref()] = value_of(current, inputs)
+    return memo[tensor.ref()]
+
+
 def copy_op(op, inputs):
     """A copy of graph op ``op`` in the current graph, with ``inputs`` instead of its own (same type and attributes,
     a new name; private ``Graph._create_op_internal``, which captures inputs of enclosing graphs). Returns its

@@ -110,18 +110,7 @@ class _Kinds:
         self.why = {}
 
     def kind(self, tensor):
-        stack = [(tensor, False)]
-        while stack:
-            current, expanded = stack.pop()
-            if current.ref() in self.kinds:
-                continue
-            inputs = tf_compat.computed_from(current)
-            if not expanded and any(x.ref() not in self.kinds for x in inputs):
-                stack.append((current, True))
-                stack.extend((x, False) for x in inputs if x.ref() not in self.kinds)
-                continue
-            self.kinds[current.ref()] = self._of(current, inputs)
-        return self.kinds[tensor.ref()]
+        return tf_compat.fold_back(tensor, self.kinds, self._of)
 
     def _of(self, tensor, inputs):
         leaf = self.leaves.get(tensor.ref())
