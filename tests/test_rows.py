@@ -17,6 +17,7 @@ import tensorflow as tf
 
 import kparallax as kp
 from kparallax import testing
+from kparallax.step import batch_norm
 from kparallax.step import rows_meet
 
 PROGRAM = os.path.join(os.path.dirname(__file__), "programs", "in_batch_negatives.py")
@@ -92,6 +93,64 @@ def test_products_that_do_not_score_the_batch_against_itself_run():
                     lambda q, d, w: tf.reduce_sum(q * d, axis=1)):
         assert _refusal(product) is None
 
+
+# Rows of the batch that meet in other ways (step/row_axes.py): each form, and a fragment of its message.
+MEETINGS = {
+    "centered": (lambda q, d, w: q - tf.reduce_mean(q, axis=0),
+                 "with Mean over the rows of the batch in Mean, a statistic of the batch, as centering"),
+    "standardized": (lambda q, d, w: (q @ w) / tf.math.reduce_std(q @ w, axis=0, keepdims=True),
+                     "with Mean over the rows of the batch in reduce_std/reduce_variance/Mean"),
+    "moments": (lambda q, d, w: tf.nn.batch_normalization(q, *tf.nn.moments(q, axes=[0]), None, None, 1e-3),
+                "Rows of the batch meet in moments/SquaredDifference (SquaredDifference combines rows"),
+    "normalized_columns": (lambda q, d, w: tf.math.l2_normalize(q, axis=0), "with Sum over the rows of the batch"),
+    "log_sum_exp": (lambda q, d, w: q - tf.reduce_logsumexp(q, axis=0), "with Max over the rows of the batch"),
+    "mean_beside_rows": (lambda q, d, w: tf.concat([q, tf.zeros_like(q) + tf.reduce_mean(d, axis=0)], axis=1),
+                         "with Mean over the rows of the batch"),
+    "softmax": (lambda q, d, w: tf.nn.softmax(q @ w, axis=0),
+                "Rows of the batch meet in Softmax (Softmax along the rows of the batch, axis 1 of its input (3, "),
+    "pairwise_differences": (lambda q, d, w: q[:, None, :] - d[None, :, :],
+                             "(axis 1), pairing every row of the batch with every other, as pairwise differences do"),
+    "pairwise_distances": (lambda q, d, w: tf.norm(tf.expand_dims(q, 1) - tf.expand_dims(d, 0), axis=-1),
+                           "pairing every row of the batch with every other"),
+    "cumulative": (lambda q, d, w: tf.cumsum(q, axis=0), "(Cumsum along the rows of the batch, axis 0"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MEETINGS))
+def test_rows_meeting_otherwise_are_refused_on_several_workers(name):
+    # One process takes these over the global batch, each worker over its own rows. Before, they trained silently
+    # apart from one process.
+    meet, fragment = MEETINGS[name]
+    for rows in (None, 4):
+        message = _refusal(meet, rows)
+        assert message is not None and fragment in message, (rows, message)
+        assert ("Received: that op in the training step of a job of 2 workers. Compute it per row, or over every "
+                "worker: gather the rows with kp.all_gather(value) first") in message
+    assert _refusal(meet, workers=1) is None
+    assert "a job of 1 worker(s) accumulating backward_passes_per_step=2 micro-batches" in _refusal(
+        meet, workers=1, micro_batches=2)
+
+
+def test_rows_meeting_a_gathered_side_or_each_alone_run():
+    # Over kp.all_gather's rows (the fix the message gives); per row (a softmax, a norm, a centering across the
+    # columns); per row and step (attention scores, a position added to each row); a layer normalization; a
+    # per-worker BatchNormalization (Keras' own statistics, as sync_batch_norm=False asks); a loss's mean; rows
+    # sliced off the batch; Keras' losses.
+    norm = tf.keras.layers.LayerNormalization()
+    batch_norm.install()  # kparallax's hook, as a strategy installs it: outside global_statistics Keras' own
+    own_statistics = tf.keras.layers.BatchNormalization()
+    assert _refusal(lambda q, d, w: d - tf.reduce_mean(d, axis=0), gathered=True) is None
+    assert _refusal(lambda q, d, w: q[:, None, :] - d[None, :, :], gathered=True) is None
+    for alone in (lambda q, d, w: tf.nn.softmax(q @ w, axis=1), lambda q, d, w: tf.math.l2_normalize(q, axis=1),
+                  lambda q, d, w: q - tf.reduce_mean(q, axis=1, keepdims=True),
+                  lambda q, d, w: tf.matmul(q[:, :, None], d[:, :, None], transpose_b=True),
+                  lambda q, d, w: q[:, :, None] + tf.range(3.0)[None, :, None],
+                  lambda q, d, w: norm(q @ w), lambda q, d, w: own_statistics(q @ w, training=True),
+                  lambda q, d, w: q / tf.reduce_mean(q), lambda q, d, w: tf.keras.losses.cosine_similarity(q, d),
+                  lambda q, d, w: tf.keras.losses.categorical_crossentropy(tf.nn.softmax(d), q @ w)):
+        assert _refusal(alone) is None
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("architecture", ["hybrid", "ps", "allreduce"])
 def test_in_batch_negatives_gathered_over_the_workers_match_one_plain_process(tmp_path, architecture):
@@ -113,6 +172,26 @@ def test_a_loss_function_giving_one_scalar_of_in_batch_negatives_matches_one_pla
     ref, got, run = testing.reference_and_job(PROGRAM, tmp_path, args=["scalar_losses"])
     assert run.returncode == 0, run.report()
     _assert_equal(ref, got)
+
+
+@pytest.mark.multiprocess
+def test_queries_centered_over_the_gathered_batch_match_one_plain_process(tmp_path):
+    # The fix the refusal below gives: the mean over kp.all_gather's rows is one process's mean over the global batch
+    # (the last batch's 21 rows too), and gradients flow back to every worker's rows through it.
+    ref, got, run = testing.reference_and_job(PROGRAM, tmp_path, args=["centered"])
+    assert run.returncode == 0, run.report()
+    _assert_equal(ref, got)
+
+
+@pytest.mark.multiprocess
+def test_queries_centered_over_the_worker_s_own_rows_are_refused(tmp_path):
+    # Before, each worker centered its queries by the mean of its own 16 rows and trained silently apart from one
+    # process.
+    _assert_refused(tmp_path, ["kparallax", "centered_own"], (
+        "Rows of the batch meet in retrieval/sub (Sub combines rows of (None, 4) with Mean over the rows of the batch "
+        "in retrieval/Mean, a statistic of the batch",
+        "Received: that op in the training step of a job of 2 workers. Compute it per row, or over every worker: "
+        "gather the rows with kp.all_gather(value) first"))
 
 
 def _assert_equal(ref, got):

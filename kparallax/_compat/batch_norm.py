@@ -12,7 +12,8 @@ In training, a ``BatchNormalization`` layer gets its batch statistics in one of 
   by the kernel; Keras keeps it: ``_bessels_correction_test_only``), as ``(1 - f) * moving + f * batch`` with
   ``f = 1 - momentum`` inside the kernel.
 
-``hook(statistics)`` wraps both once, process-wide. ``statistics(layer)`` returns ``None`` (Keras runs unchanged) or
+``hook(statistics, apart)`` wraps both once, process-wide. ``statistics(layer)`` returns ``None`` (Keras runs
+unchanged; its unfused statistics under the context ``apart()``, which marks them as each worker's own) or
 a ``Global``: ``moments(x, weights, reduction_axes) -> (mean, variance, count)`` over all workers (``weights``:
 Keras' mask as 0 / 1 per position, or None; reduced axes kept) for the unfused path, and ``sum(tensor)`` (the sum
 over all workers) and ``gradient_sum(tensor)`` (the same for gradient sums, which the step may weight per worker)
@@ -52,8 +53,9 @@ def is_batch_norm(layer):
     return isinstance(layer, _base_class())
 
 
-def hook(statistics):
-    """Wraps ``BatchNormalizationBase``'s statistics once (idempotent); see the module docstring."""
+def hook(statistics, apart):
+    """Wraps ``BatchNormalizationBase``'s statistics once (idempotent); see the module docstring. Keras' own
+    statistics (each worker's batch, where ``statistics(layer)`` is None) are computed under ``apart()``."""
     if _HOOKED:
         return
     base = _base_class()
@@ -64,7 +66,8 @@ def hook(statistics):
     def _calculate_mean_and_var(self, inputs, reduction_axes, keep_dims, mask=None):
         spanning = statistics(self)
         if spanning is None:
-            return calculate(self, inputs, reduction_axes, keep_dims, mask=mask)
+            with apart():
+                return calculate(self, inputs, reduction_axes, keep_dims, mask=mask)
         weights = None if mask is None else tf.expand_dims(tf.cast(mask, inputs.dtype), axis=-1)
         mean, variance, _ = spanning.moments(inputs, weights, reduction_axes)
         if not keep_dims:

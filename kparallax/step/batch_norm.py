@@ -22,13 +22,14 @@ import tensorflow as tf
 from kparallax._compat import batch_norm as bn_compat
 from kparallax.step import collectives
 from kparallax.step import global_losses
+from kparallax.step import rows_meet
 
 _ACTIVE = threading.local()
 
 
 def install():
     """Hooks Keras' BatchNormalization statistics once (they stay Keras' own outside ``global_statistics``)."""
-    bn_compat.hook(_statistics)
+    bn_compat.hook(_statistics, rows_meet.apart)  # each worker's own statistics on request are not refused
 
 
 @contextlib.contextmanager

@@ -13,8 +13,13 @@ b^T``: ``tf.matmul(a, b, transpose_b=True)``, ``a @ tf.transpose(b)``, ``tf.eins
 check in the step: it fails at the first step when both sides have as many rows as the worker's batch. A side read
 from ``kp.all_gather``'s output (``gathered``) is not checked; a side of sampled candidates (a sampled softmax's)
 has its sample's rows, so it passes. Products in functions of their own (a ``tf.function`` the step calls, a loop's
-body) are not seen, nor rows that meet in other ways (a softmax over the batch axis, pairwise differences by
-broadcasting).
+body) are not seen.
+
+Rows that meet in other ways (``row_axes``: a statistic over the batch combined with its rows, a softmax over the
+batch axis, pairwise differences, a cumulative sum along the rows) get the same kind of check: it fails when the
+tensors meeting there have as many rows as the worker's batch on the axes that hold them. Ops made under ``apart()``
+(BatchNormalization's per-worker statistics, ``sync_batch_norm=False``) and ``kp.all_gather``'s outputs are not
+followed. Only the forward pass's meetings are checked: the backward pass meets where it does.
 """
 
 import contextlib
@@ -25,9 +30,12 @@ import tensorflow as tf
 from kparallax._compat import keras_losses
 from kparallax._compat import repeated_rows
 from kparallax._compat import tf as tf_compat
+from kparallax.step import row_axes
 
 _PRODUCTS = {"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"}
 _ACTIVE = threading.local()
+_BACKWARD = "/gradient_tape/"  # the name scope of a tape's gradient ops
+_MOST_CHECKS = 16
 
 
 def gathered(tensor):
@@ -50,22 +58,43 @@ def refused(num_workers, micro_batches, data):
         return
     graph = tf.compat.v1.get_default_graph()
     first = len(graph.get_operations())
-    outer, _ACTIVE.gathered = getattr(_ACTIVE, "gathered", None), set()
+    outer = getattr(_ACTIVE, "gathered", None), getattr(_ACTIVE, "apart", None)
+    _ACTIVE.gathered, _ACTIVE.apart = set(), set()
     try:
         yield
-        marked = _ACTIVE.gathered
+        marked, apart_ops = _ACTIVE.gathered, _ACTIVE.apart
     finally:
-        _ACTIVE.gathered = outer
-    tail, rows = repeated_rows.Tail(data), None
-    for op in graph.get_operations()[first:]:
+        _ACTIVE.gathered, _ACTIVE.apart = outer
+    ops, where = graph.get_operations()[first:], _where(num_workers, micro_batches)
+    tail, checks = repeated_rows.Tail(data), []
+    for op in ops:
         sides = _scored_rows(op)
-        if sides is None or not all(tail.reaches(side) and not _read_from(side, marked) for side in sides):
-            continue
-        a, b = sides
-        if rows is None:
-            rows = tf.cast(keras_losses.batch_rows(data), tf.int32)
-        both = tf.logical_and(tf.equal(tf.shape(a)[0], rows), tf.equal(tf.shape(b)[0], rows))
-        tf.debugging.Assert(tf.logical_not(both), [_message(op, a, b, num_workers, micro_batches)])
+        if sides is not None and all(tail.reaches(side) and not _read_from(side, marked) for side in sides):
+            checks.append(((sides[0], 0), (sides[1], 0), _message(op, *sides, where)))
+    axes = row_axes.RowAxes(data, apart=marked, apart_ops=apart_ops)
+    axes.follow(ops)
+    meetings = [m for m in axes.meetings if _BACKWARD not in f"/{m.op.name}"]  # the backward pass meets after it
+    checks.extend((*meeting.rows, _meeting_message(meeting, where)) for meeting in meetings[:_MOST_CHECKS])
+    rows = tf.cast(keras_losses.batch_rows(data), tf.int32) if checks else None
+    for *held, message in checks:
+        every = tf.reduce_all(tf.stack([tf.equal(tf.shape(t)[axis], rows) for t, axis in held]))
+        tf.debugging.Assert(tf.logical_not(every), [message])
+
+
+@contextlib.contextmanager
+def apart():
+    """While the step is traced under ``refused``, the ops made inside compute each worker's own values on request
+    (BatchNormalization's statistics under ``sync_batch_norm=False``): rows meeting there are not refused."""
+    names = getattr(_ACTIVE, "apart", None)
+    if names is None:
+        yield
+        return
+    graph = tf.compat.v1.get_default_graph()
+    first = len(graph.get_operations())
+    try:
+        yield
+    finally:
+        names.update(op.name for op in graph.get_operations()[first:])
 
 
 def _read_from(tensor, marked):
@@ -118,13 +147,36 @@ def _untransposed(tensor, transposed):
     return tensor, transposed
 
 
-def _message(op, a, b, num_workers, micro_batches):
-    """The check's error (no apostrophes: TensorFlow escapes them in an assertion's message)."""
-    where = (f"a job of {num_workers} workers" if micro_batches == 1 else
-             f"a job of {num_workers} worker(s) accumulating backward_passes_per_step={micro_batches} micro-batches")
+def _where(num_workers, micro_batches):
+    return (f"a job of {num_workers} workers" if micro_batches == 1 else
+            f"a job of {num_workers} worker(s) accumulating backward_passes_per_step={micro_batches} micro-batches")
+
+
+def _message(op, a, b, where):
+    """The product check's error (no apostrophes: TensorFlow escapes them in an assertion's message)."""
     return (f"The rows of the batch are scored against each other in {op.name} ({op.type} of {a.shape} and "
             f"{b.shape} transposed, both with as many rows as the batch of this worker, as in-batch negatives do): "
             "each worker would score its own rows only, and the model would train apart from one process on the "
             f"global batch. Received: that product in the training step of {where}. Gather the candidate rows over "
             "the workers with kp.all_gather(value) and offset the labels by kp.row_offset(value) (with sync=True "
             "and backward_passes_per_step=1), or score each row against its own candidate only.")
+
+
+def _meeting_message(meeting, where):
+    """A meeting's error (``row_axes``), naming the op, how the rows meet there, and the fix."""
+    op, (x, axis) = meeting.op, meeting.rows[0]
+    if meeting.kind == "statistic":
+        how = (f"{op.type} combines rows of {x.shape} with {meeting.source.type} over the rows of the batch in "
+               f"{meeting.source.name}, a statistic of the batch, as centering or normalizing over the batch by hand "
+               "does")
+    elif meeting.kind == "pairwise":
+        other, other_axis = meeting.rows[1]
+        how = (f"{op.type} broadcasts the rows of {x.shape} (axis {axis}) against those of {other.shape} (axis "
+               f"{other_axis}), pairing every row of the batch with every other, as pairwise differences do")
+    else:
+        how = f"{op.type} along the rows of the batch, axis {axis} of its input {x.shape}"
+    return (f"Rows of the batch meet in {op.name} ({how}): each worker would compute it from its own rows only, "
+            f"and the model would train apart from one process on the global batch. Received: that op in the "
+            f"training step of {where}. Compute it per row, or over every worker: gather the rows with "
+            "kp.all_gather(value) first (with sync=True and backward_passes_per_step=1); for a mean and variance "
+            "over the batch, BatchNormalization takes them over every worker (sync_batch_norm=True).")

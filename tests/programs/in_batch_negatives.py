@@ -10,6 +10,9 @@ Usage: in_batch_negatives.py OUT_DIR MODE [OPTION...]
   does (tf.distribute.get_replica_context().all_gather, labels offset by its replica id): kparallax refuses it.
 OPTION "scalar_losses" (both modes): the loss function gives one scalar for the batch, the mean of the per-example
 losses for the subclassed model and their sum for the functional one (default: the per-example losses).
+OPTION "centered" (both modes): the queries' embeddings are centered by their mean over the global batch, taken from
+kp.all_gather's rows under kparallax; "centered_own" (MODE=kparallax): by their mean over the worker's own rows
+(kparallax refuses it).
 The model is built twice, subclassed and functional; writes OUT_DIR/subclassed.npz and OUT_DIR/functional.npz
 (weights, then the epoch losses and the evaluated loss) from worker 0 (or the one process).
 """
@@ -28,26 +31,30 @@ class Retrieval(tf.keras.Model):
     """Queries and candidates (id lists) pooled from one shared table into two Dense towers; logits are every
     query's scores against the candidates of the batch (``gather``ed)."""
 
-    def __init__(self, gather):
+    def __init__(self, gather, center=None):
         super().__init__()
-        self.gather = gather
+        self.gather, self.center = gather, center
         self.table = tf.keras.layers.Embedding(VOCAB, EMB)
         self.pool = tf.keras.layers.GlobalAveragePooling1D()
         # No bias on the candidate tower: adding one vector to every candidate shifts a query's logits alike, so its
         # gradient is zero but for rounding, which Adam would blow up into steps of its learning rate.
-        self.q, self.d = tf.keras.layers.Dense(4), tf.keras.layers.Dense(4, use_bias=False)
+        # Nor on the query tower when its rows are centered, which cancels it.
+        self.q, self.d = tf.keras.layers.Dense(4, use_bias=center is None), tf.keras.layers.Dense(4, use_bias=False)
 
     def call(self, inputs):
         q = self.q(self.pool(self.table(inputs[0])))
+        q = q if self.center is None else self.center(q)
         d = self.d(self.pool(self.table(inputs[1])))
         return tf.matmul(q, self.gather(d), transpose_b=True)
 
 
-def functional(gather):
-    """The same towers as a functional model: ``gather`` applied to a Keras tensor while it is built."""
+def functional(gather, center=None):
+    """The same towers as a functional model: ``gather`` applied to a Keras tensor while it is built, ``center`` in a
+    Lambda layer."""
     queries, candidates = tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.Input((LEN,), dtype=tf.int32)
     table, pool = tf.keras.layers.Embedding(VOCAB, EMB), tf.keras.layers.GlobalAveragePooling1D()
-    q = tf.keras.layers.Dense(4)(pool(table(queries)))
+    q = tf.keras.layers.Dense(4, use_bias=center is None)(pool(table(queries)))
+    q = q if center is None else tf.keras.layers.Lambda(center)(q)
     d = tf.keras.layers.Dense(4, use_bias=False)(pool(table(candidates)))
     return tf.keras.Model([queries, candidates], tf.matmul(q, gather(d), transpose_b=True))
 
@@ -101,9 +108,12 @@ def main(out_dir, mode, *options):
                           else (kp.all_gather, kp.row_offset))
     models = (("subclassed", Retrieval),) if mode == "tf-distribute" else (
         ("subclassed", Retrieval), ("functional", functional))
+    row_gather = gather if "centered" in options else (lambda value: value)
+    center = ((lambda value: value - tf.reduce_mean(row_gather(value), axis=0))
+              if {"centered", "centered_own"} & set(options) else None)
     for name, build in models:
         with scope():
-            model = build(gather)
+            model = build(gather, center)
             model([queries[:2], candidates[:2]])
             init = np.random.default_rng(21)
             model.set_weights([init.normal(scale=0.3, size=w.shape).astype(np.float32) for w in model.get_weights()])

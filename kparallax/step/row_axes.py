@@ -1,0 +1,427 @@
+"""Which axis of each tensor of a traced training step holds the batch's rows, and where rows of the batch meet.
+
+``RowAxes(data)`` follows the batch's dense tensors (rows on axis 0) forward through the ops a step made, in the
+order they were made, and gives each output one of:
+- ``None``: no rows of the batch (a weight, a constant, a shape, a scalar the rows were reduced to);
+- an ``int`` k: the batch's rows on axis k, each row computed from that row alone;
+- ``STATISTIC``: a reduction over the rows that keeps another axis (a per-column mean, a maximum over the batch),
+  and what is computed from it and values without rows;
+- ``UNKNOWN``: anything else the batch reaches (an op not followed here, a function call, a loop, a collective,
+  rows merged into another axis by a reshape). Nothing is refused from it.
+
+While it follows them it records the ops where rows of the batch meet, which one process computes over the global
+batch and each worker over its own part (``meetings``):
+- ``statistic``: a statistic combined element-wise with the rows (centering or normalizing over the batch by hand,
+  ``x - tf.reduce_mean(x, axis=0)``; ``tf.nn.moments(x, axes=[0])``; a log-sum-exp over the rows);
+- ``softmax``: a softmax (or log-softmax) over the rows (``tf.nn.softmax(x, axis=0)``);
+- ``pairwise``: two tensors with rows on different axes broadcast against each other (pairwise differences,
+  ``a[:, None] - b[None, :]``);
+- ``cumulative``: a cumulative sum or product along the rows.
+A reduction over every axis (a loss's mean, a masked loss's count of valid entries) gives a scalar, which the step's
+losses already count over the workers (``global_losses``), so it is not a statistic here.
+
+Each meeting names the tensors and axes that hold the batch's rows where it happens; ``rows_meet`` checks them
+against the worker's batch when the step runs. Ops are followed by type from their static attributes and constant
+inputs (axes, permutations, shapes); an op whose axes are not known while tracing gives ``UNKNOWN``, so the analysis
+can miss a meeting but does not make one up.
+"""
+
+import dataclasses
+
+import numpy as np
+import tensorflow as tf
+
+STATISTIC = "statistic"
+UNKNOWN = "unknown"
+
+_UNARY = {
+    "Identity", "Snapshot", "StopGradient", "PreventGradient", "Cast", "Neg", "Abs", "Square", "Sqrt", "Rsqrt", "Exp",
+    "Log", "Log1p", "Expm1", "Sigmoid", "Tanh", "Relu", "Relu6", "Elu", "Selu", "Softplus", "Softsign", "LeakyRelu",
+    "Gelu", "Floor", "Ceil", "Round", "Rint", "Sign", "Reciprocal", "Inv", "Sin", "Cos", "Erf", "Erfc", "IsNan",
+    "IsInf", "IsFinite", "LogicalNot", "ZerosLike", "OnesLike", "CheckNumerics", "CheckNumericsV2", "EnsureShape",
+    "Real", "Imag", "Conj", "Lgamma", "Digamma", "Atan", "Asin", "Acos", "Sinh", "Cosh"}
+_ELEMENTWISE = {
+    "Add", "AddV2", "Sub", "Mul", "MulNoNan", "RealDiv", "Div", "DivNoNan", "FloorDiv", "FloorMod", "TruncateDiv",
+    "Mod", "Xdivy", "Xlogy", "Maximum", "Minimum", "Pow", "SquaredDifference", "Equal", "NotEqual", "Less",
+    "LessEqual", "Greater", "GreaterEqual", "LogicalAnd", "LogicalOr", "SelectV2", "ClipByValue", "AddN", "Atan2",
+    "BiasAdd", "SigmoidGrad", "TanhGrad", "ReluGrad", "Relu6Grad", "EluGrad", "SeluGrad", "SoftplusGrad",
+    "LeakyReluGrad", "RsqrtGrad", "SqrtGrad", "ReciprocalGrad"}
+_REDUCTIONS = {"Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "EuclideanNorm"}
+_ARG_REDUCTIONS = {"ArgMax", "ArgMin"}
+_METADATA = {"Shape", "ShapeN", "Size", "Rank", "Const", "Range", "RandomUniform", "RandomStandardNormal",
+             "TruncatedNormal", "RandomUniformInt", "StatelessRandomUniformV2", "StatelessRandomNormalV2",
+             "StatelessRandomUniformIntV2", "StatelessTruncatedNormalV2", "Fill", "VarHandleOp", "ReadVariableOp"}
+_BATCH_FIRST = {"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MaxPool", "MaxPoolV2", "AvgPool", "MaxPool3D",
+                "AvgPool3D", "FusedBatchNormV3", "FusedBatchNorm", "LRN"}
+_SOFTMAX = {"Softmax", "LogSoftmax"}
+_CUMULATIVE = {"Cumsum", "Cumprod", "CumulativeLogsumexp"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Meeting:
+    """Rows of the batch meeting at graph op ``op``: ``kind`` (see the module docstring) and ``rows``, pairs
+    (tensor, axis) that hold the batch's rows there (the meeting is real when each has as many as the batch)."""
+
+    op: object
+    kind: str
+    rows: tuple
+    source: object = None  # for a statistic: the reduction's op
+
+
+class RowAxes:
+    """Where the batch ``data``'s rows lie in the tensors of a step traced after it; see the module docstring.
+    ``apart``: tensors (refs) to take as ``UNKNOWN`` (each worker's own statistics on request, a gather's output)."""
+
+    def __init__(self, data, apart=frozenset(), apart_ops=frozenset()):
+        self._apart, self._apart_ops = set(apart), set(apart_ops)
+        self._axes = {t.ref(): UNKNOWN if t.ref() in self._apart else 0
+                      for t in tf.nest.flatten(data) if isinstance(t, tf.Tensor) and t.shape.rank}
+        self._sources = {}  # a statistic's ref -> (its reduction's op, the reduced tensor, the rows' axis)
+        self.meetings = []
+
+    def follow(self, ops):
+        """Follows graph ``ops`` (each after the ops it reads), recording ``meetings``. The outputs of
+        ``apart_ops`` (names) and the ``apart`` tensors are ``UNKNOWN``, and nothing meets in those ops."""
+        for op in ops:
+            axes = [self.axis(x) for x in op.inputs]
+            if all(a is None for a in axes):
+                continue  # nothing of the batch: every output has no rows
+            try:
+                outputs = [UNKNOWN] * len(op.outputs) if op.name in self._apart_ops else self._outputs(op, axes)
+            except (ValueError, TypeError, IndexError, KeyError, ArithmeticError):  # not as expected: not followed
+                outputs = [UNKNOWN] * len(op.outputs)
+            statistic = next((self._sources[x.ref()] for x, a in zip(op.inputs, axes) if a == STATISTIC), None)
+            for tensor, axis in zip(op.outputs, outputs):
+                if axis == STATISTIC and tensor.ref() not in self._sources:  # computed from a statistic
+                    self._sources[tensor.ref()] = statistic
+                    axis = UNKNOWN if statistic is None else axis
+                self._axes[tensor.ref()] = UNKNOWN if tensor.ref() in self._apart else axis
+
+    def axis(self, tensor):
+        """The rows' axis of ``tensor`` (``None``, an ``int``, ``STATISTIC`` or ``UNKNOWN``)."""
+        return self._axes.get(tensor.ref())
+
+    def _outputs(self, op, axes):
+        kind = op.type
+        if kind in _METADATA:
+            return [None] * len(op.outputs)
+        if kind in _UNARY:
+            return [_alone(axes)] * len(op.outputs)
+        if kind == "IdentityN":
+            return list(axes)
+        if kind in _ELEMENTWISE or (kind == "Select" and len({x.shape.rank for x in op.inputs}) == 1):
+            return [self._broadcast(op, axes)]
+        if kind in _REDUCTIONS or kind in _ARG_REDUCTIONS:
+            return [self._reduced(op, axes)]
+        if kind in _SOFTMAX or kind in _CUMULATIVE:
+            return [self._along(op, axes)]
+        if kind in ("ConcatV2", "Pack"):
+            return [self._joined(op, axes)]
+        if kind in _SHAPES:
+            return _SHAPES[kind](op, axes)
+        if kind in ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"):
+            return [_product(op, axes)]
+        if kind == "Einsum":
+            return [_einsum(op, axes)]
+        if kind in _BATCH_FIRST:
+            rows = axes[0] == 0 and all(a is None for a in axes[1:])
+            return [0 if rows else UNKNOWN] + [UNKNOWN] * (len(op.outputs) - 1)
+        if kind in ("SoftmaxCrossEntropyWithLogits", "SparseSoftmaxCrossEntropyWithLogits"):
+            return [0 if axes[0] == 0 and axes[1] in (0, None) else UNKNOWN] * 2
+        return [UNKNOWN] * len(op.outputs)
+
+    def _broadcast(self, op, axes):
+        """An element-wise op of broadcast inputs: the rows' axis of its output, recording where rows meet."""
+        ranks = [x.shape.rank for x in op.inputs]
+        if UNKNOWN in axes or None in ranks:
+            return UNKNOWN
+        if op.type == "BiasAdd" and op.get_attr("data_format") != b"NHWC":
+            return UNKNOWN
+        out_rank = max(ranks)
+        rows = {}  # output axis -> (input, its axis)
+        for x, axis, rank in zip(op.inputs, axes, ranks):
+            if isinstance(axis, int):
+                rows.setdefault(axis + out_rank - rank, (x, axis))
+        statistics = [x for x, axis in zip(op.inputs, axes) if axis == STATISTIC]
+        if len(rows) > 1:
+            self.meetings.append(Meeting(op, "pairwise", tuple(rows.values())))
+            return UNKNOWN
+        if not rows:
+            return STATISTIC if statistics else None
+        (out_axis, held), = rows.items()
+        self._statistic_meets(op, held, statistics)
+        return out_axis
+
+    def _statistic_meets(self, op, held, statistics):
+        """Records a meeting at ``op`` of the rows ``held`` (tensor, axis) with the first of ``statistics``."""
+        if statistics:
+            source, reduced, axis = self._sources[statistics[0].ref()]
+            self.meetings.append(Meeting(op, "statistic", (held, (reduced, axis)), source))
+
+    def _joined(self, op, axes):
+        """``ConcatV2`` (values..., axis) and ``Pack`` (values, attr axis): rows on one axis of every input with
+        rows, not the joined one; a statistic joined to rows (features and their mean over the batch) meets them."""
+        values, value_axes = (op.inputs[:-1], axes[:-1]) if op.type == "ConcatV2" else (op.inputs, axes)
+        rank = values[0].shape.rank
+        if UNKNOWN in value_axes or rank is None or (op.type == "ConcatV2" and axes[-1] is not None):
+            return UNKNOWN
+        joined = (_static(op.inputs[-1])[0] % rank) if op.type == "ConcatV2" else op.get_attr("axis") % (rank + 1)
+        rows = {a: x for x, a in zip(values, value_axes) if isinstance(a, int)}
+        statistics = [x for x, a in zip(values, value_axes) if a == STATISTIC]
+        if not rows:
+            return STATISTIC
+        if len(rows) > 1 or (op.type == "ConcatV2" and joined in rows):
+            return UNKNOWN
+        (axis, held), = rows.items()
+        self._statistic_meets(op, (held, axis), statistics)
+        return axis if op.type == "ConcatV2" or axis < joined else axis + 1
+
+    def _reduced(self, op, axes):
+        """A reduction's output: the rows' axis shifted, ``STATISTIC`` when it reduces the rows and keeps another
+        axis, None when it reduces every axis."""
+        x, axis = op.inputs[0], axes[0]
+        rank = x.shape.rank
+        reduced = _constant(op.inputs[1])
+        if axis == UNKNOWN or rank is None or reduced is None or any(a is not None for a in axes[1:]):
+            return UNKNOWN
+        reduced = {int(a) % rank for a in np.atleast_1d(reduced)} if rank else set()
+        keep = op.type in _REDUCTIONS and op.get_attr("keep_dims")
+        if reduced >= set(range(rank)):
+            return None  # a scalar (or all axes of size 1)
+        if axis == STATISTIC:
+            return STATISTIC
+        if axis in reduced:
+            self._sources[op.outputs[0].ref()] = (op, x, axis)
+            return STATISTIC
+        return axis if keep else axis - sum(a < axis for a in reduced)
+
+    def _along(self, op, axes):
+        """A softmax (last axis) or a cumulative op (its axis input): a meeting when it runs along the rows."""
+        x, axis = op.inputs[0], axes[0]
+        if not isinstance(axis, int) or any(a is not None for a in axes[1:]) or x.shape.rank is None:
+            return UNKNOWN if axis != STATISTIC else STATISTIC
+        along = x.shape.rank - 1 if op.type in _SOFTMAX else _constant(op.inputs[1])
+        if along is None:
+            return UNKNOWN
+        if int(along) % x.shape.rank == axis:
+            self.meetings.append(Meeting(op, "softmax" if op.type in _SOFTMAX else "cumulative", ((x, axis),)))
+            return UNKNOWN
+        return axis
+
+
+def _alone(axes):
+    """A unary op's output: its first input's rows, if the other inputs have none."""
+    return axes[0] if all(a is None for a in axes[1:]) else UNKNOWN
+
+
+_FOLDED = {"Sub": np.subtract, "Add": np.add, "AddV2": np.add, "Mul": np.multiply, "FloorMod": np.mod,
+           "Range": np.arange, "Identity": lambda x: x, "Pack": lambda *xs: np.stack(xs),
+           "ConcatV2": lambda *xs: np.concatenate(xs[:-1], axis=int(xs[-1]))}
+
+
+def _constant(tensor, depth=8):
+    """``tensor``'s value while tracing, or None: TensorFlow's constant folding, and a few integer ops of constants
+    it does not fold (``tf.nn.softmax(x, axis=0)``'s permutation: a range up to the rank minus one)."""
+    value = tf.get_static_value(tensor)
+    if value is not None or depth == 0 or tensor.op.type not in _FOLDED:
+        return value
+    inputs = [_constant(x, depth - 1) for x in tensor.op.inputs]
+    return None if any(x is None for x in inputs) else np.asarray(_FOLDED[tensor.op.type](*inputs))
+
+
+def _static(tensor):
+    value = _constant(tensor)
+    if value is None:
+        raise ValueError("not known while tracing")
+    return np.atleast_1d(value).astype(np.int64).tolist()
+
+
+def _expand_dims(op, axes):
+    axis = axes[0]
+    if not isinstance(axis, int):
+        return [axis if axis in (STATISTIC, UNKNOWN) and axes[1] is None else UNKNOWN]
+    where = _static(op.inputs[1])[0] % (op.inputs[0].shape.rank + 1)
+    return [axis + 1 if where <= axis else axis]
+
+
+def _squeeze(op, axes):
+    axis, rank = axes[0], op.inputs[0].shape.rank
+    if not isinstance(axis, int):
+        return [axis]
+    dims = [d % rank for d in op.get_attr("squeeze_dims")]
+    if not dims or axis in dims:
+        return [UNKNOWN]
+    return [axis - sum(d < axis for d in dims)]
+
+
+def _transpose(op, axes):
+    axis = axes[0]
+    if not isinstance(axis, int):
+        return [axis if axes[1] is None else UNKNOWN]
+    return [_static(op.inputs[1]).index(axis)]
+
+
+def _reshape(op, axes):
+    """Rows stay on axis 0 when the other axes keep their size (``Flatten``, ``[-1, d]`` of ``[B, d]``)."""
+    axis, before, after = axes[0], op.inputs[0].shape, op.outputs[0].shape
+    if axis == STATISTIC and axes[1] is None:
+        return [STATISTIC]
+    if axis != 0 or axes[1] is not None or not before[1:].is_fully_defined() or after.rank is None:
+        return [UNKNOWN]
+    if not after[1:].is_fully_defined() or after[1:].num_elements() != before[1:].num_elements():
+        return [UNKNOWN]
+    return [0]
+
+
+def _tile(op, axes):
+    axis = axes[0]
+    if not isinstance(axis, int):
+        return [axis if axes[1] is None else UNKNOWN]
+    return [axis if _static(op.inputs[1])[axis] == 1 else UNKNOWN]
+
+
+def _broadcast_to(op, axes):
+    axis = axes[0]
+    if not isinstance(axis, int):
+        return [axis if axes[1] is None else UNKNOWN]
+    return [axis + op.outputs[0].shape.rank - op.inputs[0].shape.rank]
+
+
+def _slice(op, axes):
+    axis = axes[0]
+    if not isinstance(axis, int):
+        return [axis]
+    begin, size = _static(op.inputs[1]), _static(op.inputs[2])
+    return [axis if begin[axis] == 0 and size[axis] == -1 else UNKNOWN]
+
+
+def _strided_slice(op, axes):
+    """Rows kept whole (``x[:, 0]``, ``x[:, None]``, ``x[..., :3]``) move to their output axis; sliced rows are
+    ``UNKNOWN``."""
+    axis, rank = axes[0], op.inputs[0].shape.rank
+    if axis == STATISTIC and all(a is None for a in axes[1:]):
+        return [STATISTIC]
+    if not isinstance(axis, int) or any(a is not None for a in axes[1:]) or rank is None:
+        return [UNKNOWN]
+    begin, end, strides = (_static(x) for x in op.inputs[1:4])
+    masks = {name: op.get_attr(name) for name in ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask",
+                                                   "shrink_axis_mask")}
+    entries = len(begin)
+    spanned = rank - sum(1 for i in range(entries)
+                         if not (masks["new_axis_mask"] >> i) & 1 and not (masks["ellipsis_mask"] >> i) & 1)
+    position, out = 0, 0  # the input axis and output axis the next entry reads and makes
+    for i in range(entries):
+        if (masks["ellipsis_mask"] >> i) & 1:
+            if position <= axis < position + spanned:
+                return [out + axis - position]
+            position, out = position + spanned, out + spanned
+        elif (masks["new_axis_mask"] >> i) & 1:
+            out += 1
+        elif (masks["shrink_axis_mask"] >> i) & 1:
+            if position == axis:
+                return [UNKNOWN]
+            position += 1
+        else:
+            if position == axis:
+                whole = (masks["begin_mask"] >> i) & 1 and (masks["end_mask"] >> i) & 1 and strides[i] == 1
+                return [out if whole else UNKNOWN]
+            position, out = position + 1, out + 1
+    return [out + axis - position]  # an axis after the entries passes through
+
+
+def _gather(op, axes):
+    """``GatherV2`` (params, indices, axis) and ``ResourceGather`` (table, indices): rows of the indices move to
+    their place in the output; params' rows gathered along another axis stay."""
+    if op.get_attr("batch_dims") != 0:
+        return [UNKNOWN]
+    params, indices = axes[0], axes[1]
+    if op.type == "ResourceGather":
+        return [indices if isinstance(indices, int) and params is None else UNKNOWN]
+    along = _static(op.inputs[2])[0] % op.inputs[0].shape.rank
+    if isinstance(indices, int) and params is None and axes[2] is None:
+        return [along + indices]
+    if isinstance(params, int) and indices is None and axes[2] is None and params != along:
+        return [params if params < along else params - 1 + op.inputs[1].shape.rank]
+    return [UNKNOWN]
+
+
+def _split(op, axes):
+    """``Split`` (axis, value), ``SplitV`` (value, sizes, axis), ``Unpack`` (value, attr axis)."""
+    if op.type == "Split":
+        value, along = axes[1], _static(op.inputs[0])[0]
+    elif op.type == "SplitV":
+        value, along = axes[0], _static(op.inputs[2])[0]
+    else:
+        value, along = axes[0], op.get_attr("axis")
+    rank = op.inputs[1 if op.type == "Split" else 0].shape.rank
+    if not isinstance(value, int) or rank is None or along % rank == value:
+        return [UNKNOWN] * len(op.outputs)
+    along %= rank
+    shifted = value - 1 if op.type == "Unpack" and along < value else value
+    return [shifted] * len(op.outputs)
+
+
+def _one_hot(op, axes):
+    indices, rank = axes[0], op.inputs[0].shape.rank
+    if not isinstance(indices, int) or any(a is not None for a in axes[1:]) or rank is None:
+        return [UNKNOWN]
+    where = op.get_attr("axis")
+    return [indices if where == -1 or where > indices else indices + 1]
+
+
+def _pad(op, axes):
+    axis = axes[0]
+    if not isinstance(axis, int) or any(a is not None for a in axes[1:]):
+        return [UNKNOWN]
+    paddings = _constant(op.inputs[1])
+    return [axis if paddings is not None and not np.any(paddings[axis]) else UNKNOWN]
+
+
+_SHAPES = {
+    "ExpandDims": _expand_dims, "Squeeze": _squeeze, "Transpose": _transpose, "Reshape": _reshape, "Tile": _tile,
+    "BroadcastTo": _broadcast_to, "Slice": _slice, "StridedSlice": _strided_slice, "GatherV2": _gather,
+    "ResourceGather": _gather, "Split": _split, "SplitV": _split, "Unpack": _split, "OneHot": _one_hot, "Pad": _pad,
+    "PadV2": _pad, "MirrorPad": _pad}
+
+
+def _product(op, axes):
+    """A matrix product's output: the rows of one side that are not summed over; ``UNKNOWN`` when the rows are
+    summed over (``a^T @ b``, a weight's gradient) or both sides have them (``rows_meet`` checks ``a @ b^T``)."""
+    a, b = op.inputs
+    if a.shape.rank is None or b.shape.rank is None:
+        return UNKNOWN
+    names = ("transpose_a", "transpose_b") if op.type == "MatMul" else ("adj_x", "adj_y")
+    flip_a, flip_b = (op.get_attr(n) for n in names)
+    rank = max(a.shape.rank, b.shape.rank)
+    if axes[0] is not None and axes[1] is not None:
+        both_first = axes[0] == 0 and axes[1] == 0 and a.shape.rank == b.shape.rank > 2
+        return 0 if both_first else UNKNOWN
+    side = 0 if axes[0] is not None else 1  # the side with rows
+    axis, side_rank = axes[side], op.inputs[side].shape.rank
+    if not isinstance(axis, int):
+        return UNKNOWN
+    if axis < side_rank - 2:  # a batch axis, broadcast
+        return axis + rank - side_rank
+    kept = side_rank - (1 if flip_a else 2) if side == 0 else side_rank - (2 if flip_b else 1)  # the one not summed
+    return rank - 2 + side if axis == kept else UNKNOWN
+
+
+def _einsum(op, axes):
+    """An einsum's output: the rows' label's place in it, when one label holds the rows of every side that has
+    them; ``UNKNOWN`` when they are summed over or the sides' rows have different labels."""
+    equation = op.get_attr("equation").decode().replace(" ", "")
+    inputs, _, output = equation.partition("->")
+    sides = inputs.split(",")
+    if "." in equation or len(sides) != len(op.inputs):
+        return UNKNOWN
+    labels = set()
+    for side, axis in zip(sides, axes):
+        if axis is None:
+            continue
+        if not isinstance(axis, int):
+            return UNKNOWN
+        labels.add(side[axis])
+    if len(labels) != 1:
+        return UNKNOWN
+    label, = labels
+    return output.index(label) if label in output else UNKNOWN

@@ -1,0 +1,76 @@
+"""step/row_axes.py: which axis of a traced tensor holds the batch's rows, followed through the ops a step makes
+(element-wise, reductions, shape ops, slices, gathers, products), with the batch's size unknown and static. Its
+meetings are tested through their refusal in ``test_rows.py``."""
+
+import numpy as np
+import tensorflow as tf
+
+from kparallax.step import row_axes
+
+STATISTIC, UNKNOWN = row_axes.STATISTIC, row_axes.UNKNOWN
+
+# Each expression of the batch x [B, 3] and its ids [B] (w: a [3, 3] weight, no rows), and its rows' axis.
+EXPRESSIONS = {
+    "element-wise with a weight": (lambda x, ids, w: tf.nn.relu(x * w[0] + 1.0), 0),
+    "a dense layer": (lambda x, ids, w: x @ w, 0),
+    "the rows on the other side": (lambda x, ids, w: tf.matmul(w, x, transpose_b=True), 1),
+    "a product over the rows": (lambda x, ids, w: tf.matmul(x, x, transpose_a=True), UNKNOWN),
+    "an einsum keeping them": (lambda x, ids, w: tf.einsum("bi,ij->jb", x, w), 1),
+    "an einsum summing them": (lambda x, ids, w: tf.einsum("bi,bj->ij", x, x), UNKNOWN),
+    "a sum per row": (lambda x, ids, w: tf.reduce_sum(x, axis=1), 0),
+    "a sum per row, kept": (lambda x, ids, w: tf.reduce_sum(x, axis=-1, keepdims=True), 0),
+    "a sum of everything": (lambda x, ids, w: tf.reduce_sum(x), None),
+    "a mean over the rows": (lambda x, ids, w: tf.reduce_mean(x, axis=0), STATISTIC),
+    "a statistic's function": (lambda x, ids, w: tf.sqrt(tf.reduce_mean(x, axis=0) + w), STATISTIC),
+    "an argmax per row": (lambda x, ids, w: tf.argmax(x, axis=1), 0),
+    "a transpose": (lambda x, ids, w: tf.transpose(x), 1),
+    "an axis before": (lambda x, ids, w: tf.expand_dims(x, 0), 1),
+    "an axis after": (lambda x, ids, w: x[:, None], 0),
+    "a slice of the columns": (lambda x, ids, w: x[..., :2], 0),
+    "a column": (lambda x, ids, w: x[:, 1], 0),
+    "a new axis first": (lambda x, ids, w: x[None, :, 1:], 1),
+    "some rows": (lambda x, ids, w: x[:2], UNKNOWN),
+    "one row": (lambda x, ids, w: x[0], UNKNOWN),
+    "flattened per row": (lambda x, ids, w: tf.keras.layers.Flatten()(x[:, :, None]), 0),
+    "rows merged into one axis": (lambda x, ids, w: tf.reshape(x, [-1]), UNKNOWN),
+    "tiled columns": (lambda x, ids, w: tf.tile(x, [1, 2]), 0),
+    "tiled rows": (lambda x, ids, w: tf.tile(x, [2, 1]), UNKNOWN),
+    "columns split": (lambda x, ids, w: tf.split(x, 3, axis=1)[2], 0),
+    "columns unstacked": (lambda x, ids, w: tf.unstack(x, axis=1)[0], 0),
+    "rows unstacked": (lambda x, ids, w: tf.unstack(x, num=4, axis=0)[0], UNKNOWN),
+    "columns joined": (lambda x, ids, w: tf.concat([x, x * 2.0], axis=1), 0),
+    "rows joined": (lambda x, ids, w: tf.concat([x, x], axis=0), UNKNOWN),
+    "stacked after the rows": (lambda x, ids, w: tf.stack([x, x], axis=1), 0),
+    "stacked before the rows": (lambda x, ids, w: tf.stack([x, x]), 1),
+    "looked up by id": (lambda x, ids, w: tf.gather(w, ids), 0),
+    "gathered columns": (lambda x, ids, w: tf.gather(x, [2, 0], axis=1), 0),
+    "gathered rows": (lambda x, ids, w: tf.gather(x, [2, 0]), UNKNOWN),
+    "one-hot ids": (lambda x, ids, w: tf.one_hot(ids, 5), 0),
+    "padded columns": (lambda x, ids, w: tf.pad(x, [[0, 0], [1, 1]]), 0),
+    "padded rows": (lambda x, ids, w: tf.pad(x, [[1, 0], [0, 0]]), UNKNOWN),
+    "its shape": (lambda x, ids, w: tf.shape(x), None),
+    "a softmax per row": (lambda x, ids, w: tf.nn.softmax(x), 0),
+    "a function of its own": (lambda x, ids, w: tf.function(lambda t: t * 2.0)(x), UNKNOWN),
+}
+
+
+def _axes(rows):
+    """Each expression's rows' axis, traced with a batch of ``rows`` rows (None: unknown)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [rows, 3])
+        ids = tf.compat.v1.placeholder(tf.int32, [rows])
+        w = tf.constant(np.ones((3, 3), np.float32))
+        first = len(graph.get_operations())
+        outputs = {name: build(x, ids, w) for name, (build, _) in EXPRESSIONS.items()}
+        axes = row_axes.RowAxes((x, ids))
+        axes.follow(graph.get_operations()[first:])
+        return {name: axes.axis(output) for name, output in outputs.items()}, axes.meetings
+
+
+def test_the_rows_axis_is_followed_through_the_ops_of_a_step():
+    for rows in (None, 4):
+        got, meetings = _axes(rows)
+        for name, (_, expected) in EXPRESSIONS.items():
+            assert got[name] == expected, (rows, name, got[name])
+        assert not meetings, [m.op.name for m in meetings]
