@@ -103,6 +103,9 @@ MEETINGS = {
     "moments": (lambda q, d, w: tf.nn.batch_normalization(q, *tf.nn.moments(q, axes=[0]), None, None, 1e-3),
                 "Rows of the batch meet in moments/SquaredDifference (SquaredDifference combines rows"),
     "normalized_columns": (lambda q, d, w: tf.math.l2_normalize(q, axis=0), "with Sum over the rows of the batch"),
+    "scaled_by_the_batch_maximum": (lambda q, d, w: q / tf.reduce_max(tf.abs(q)),
+                                    "with Max over the rows of the batch"),
+    "a_scalar_centered": (lambda q, d, w: q[:, 0] - tf.reduce_mean(q[:, 0]), "with Mean over the rows of the batch"),
     "log_sum_exp": (lambda q, d, w: q - tf.reduce_logsumexp(q, axis=0), "with Max over the rows of the batch"),
     "mean_beside_rows": (lambda q, d, w: tf.concat([q, tf.zeros_like(q) + tf.reduce_mean(d, axis=0)], axis=1),
                          "with Mean over the rows of the batch"),
@@ -134,9 +137,11 @@ def test_rows_meeting_otherwise_are_refused_on_several_workers(name):
 def test_rows_meeting_a_gathered_side_or_each_alone_run():
     # Over kp.all_gather's rows (the fix the message gives); per row (a softmax, a norm, a centering across the
     # columns); per row and step (attention scores, a position added to each row); a layer normalization; a
-    # per-worker BatchNormalization (Keras' own statistics, as sync_batch_norm=False asks); a loss's mean; rows
-    # sliced off the batch; Keras' losses.
+    # per-worker BatchNormalization (Keras' own statistics, as sync_batch_norm=False asks); a loss's mean; Keras'
+    # losses, a masked one too (the step counts its valid entries over the workers itself).
     norm = tf.keras.layers.LayerNormalization()
+    rows_meet.install()  # as a strategy does
+    masked_loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0)
     batch_norm.install()  # kparallax's hook, as a strategy installs it: outside global_statistics Keras' own
     own_statistics = tf.keras.layers.BatchNormalization()
     assert _refusal(lambda q, d, w: d - tf.reduce_mean(d, axis=0), gathered=True) is None
@@ -146,7 +151,9 @@ def test_rows_meeting_a_gathered_side_or_each_alone_run():
                   lambda q, d, w: tf.matmul(q[:, :, None], d[:, :, None], transpose_b=True),
                   lambda q, d, w: q[:, :, None] + tf.range(3.0)[None, :, None],
                   lambda q, d, w: norm(q @ w), lambda q, d, w: own_statistics(q @ w, training=True),
-                  lambda q, d, w: q / tf.reduce_mean(q), lambda q, d, w: tf.keras.losses.cosine_similarity(q, d),
+                  lambda q, d, w: tf.reduce_mean(q) + tf.reduce_sum(q * d),
+                  lambda q, d, w: masked_loss(d[:, 0], q @ w),
+                  lambda q, d, w: tf.keras.losses.cosine_similarity(q, d),
                   lambda q, d, w: tf.keras.losses.categorical_crossentropy(tf.nn.softmax(d), q @ w)):
         assert _refusal(alone) is None
 

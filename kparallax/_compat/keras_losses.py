@@ -177,6 +177,25 @@ def _valid_count(loss, y_true, y_pred):
     return tf.reduce_sum(tf.cast(mask, tf.float32))
 
 
+def hook_valid_mask(apart):
+    """Runs Keras 2.15's ``losses_utils.apply_valid_mask`` under ``apart()`` (once, process-wide). For a mean loss
+    under a mask it multiplies the mask by its size over its valid count, a count over the whole batch; the step
+    counts that over the workers itself (``_ScaledLoss``), so these rows meeting a scalar of the batch are not
+    refused (``step/rows_meet.py``)."""
+    from keras.src.utils import losses_utils  # pylint: disable=import-outside-toplevel
+    original = losses_utils.apply_valid_mask
+    if getattr(original, "_kp_apart", False):
+        return
+
+    @functools.wraps(original)
+    def apply_valid_mask(*args, **kwargs):
+        with apart():
+            return original(*args, **kwargs)
+
+    apply_valid_mask._kp_apart = True  # pylint: disable=protected-access
+    losses_utils.apply_valid_mask = apply_valid_mask
+
+
 def scale_compiled_losses(model, scales):
     """Wraps the losses of ``model.compiled_loss`` (a private ``LossesContainer``: its flat ``_losses`` list exists
     once ``build`` ran, at the first call) in ``_ScaledLoss(loss, scales)``, and weighs the loss it logs when no

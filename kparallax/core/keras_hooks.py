@@ -141,6 +141,7 @@ def install(strategy):
     for base in (keras_compat.NewOptimizer, keras_compat.LegacyOptimizer):
         base.apply_gradients = _only_owned_optimizers_in_jobs(base.apply_gradients)
     batch_norm.install()
+    rows_meet.install()
 
 
 def _only_owned_optimizers_in_jobs(original):

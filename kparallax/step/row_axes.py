@@ -2,23 +2,24 @@
 
 ``RowAxes(data)`` follows the batch's dense tensors (rows on axis 0) forward through the ops a step made, in the
 order they were made, and gives each output one of:
-- ``None``: no rows of the batch (a weight, a constant, a shape, a scalar the rows were reduced to);
+- ``None``: no rows of the batch (a weight, a constant, a shape);
 - an ``int`` k: the batch's rows on axis k, each row computed from that row alone;
-- ``STATISTIC``: a reduction over the rows that keeps another axis (a per-column mean, a maximum over the batch),
-  and what is computed from it and values without rows;
+- ``STATISTIC``: a reduction over the rows (a per-column mean, the batch's maximum, a loss's mean), and what is
+  computed from it and values without rows;
 - ``UNKNOWN``: anything else the batch reaches (an op not followed here, a function call, a loop, a collective,
   rows merged into another axis by a reshape). Nothing is refused from it.
 
 While it follows them it records the ops where rows of the batch meet, which one process computes over the global
 batch and each worker over its own part (``meetings``):
 - ``statistic``: a statistic combined element-wise with the rows (centering or normalizing over the batch by hand,
-  ``x - tf.reduce_mean(x, axis=0)``; ``tf.nn.moments(x, axes=[0])``; a log-sum-exp over the rows);
+  ``x - tf.reduce_mean(x, axis=0)``, ``x / tf.reduce_max(x)``; ``tf.nn.moments(x, axes=[0])``; a log-sum-exp over
+  the rows);
 - ``softmax``: a softmax (or log-softmax) over the rows (``tf.nn.softmax(x, axis=0)``);
 - ``pairwise``: two tensors with rows on different axes broadcast against each other (pairwise differences,
   ``a[:, None] - b[None, :]``);
 - ``cumulative``: a cumulative sum or product along the rows.
-A reduction over every axis (a loss's mean, a masked loss's count of valid entries) gives a scalar, which the step's
-losses already count over the workers (``global_losses``), so it is not a statistic here.
+A loss's mean is a statistic too; it meets no rows. Keras' masked mean loss does (the mask times its size over its
+valid count), and the step counts that over the workers itself (``global_losses``): its ops are made ``apart``.
 
 Each meeting names the tensors and axes that hold the batch's rows where it happens; ``rows_meet`` checks them
 against the worker's batch when the step runs. Ops are followed by type from their static attributes and constant
@@ -38,7 +39,7 @@ _UNARY = {
     "Identity", "Snapshot", "StopGradient", "PreventGradient", "Cast", "Neg", "Abs", "Square", "Sqrt", "Rsqrt", "Exp",
     "Log", "Log1p", "Expm1", "Sigmoid", "Tanh", "Relu", "Relu6", "Elu", "Selu", "Softplus", "Softsign", "LeakyRelu",
     "Gelu", "Floor", "Ceil", "Round", "Rint", "Sign", "Reciprocal", "Inv", "Sin", "Cos", "Erf", "Erfc", "IsNan",
-    "IsInf", "IsFinite", "LogicalNot", "ZerosLike", "OnesLike", "CheckNumerics", "CheckNumericsV2", "EnsureShape",
+    "IsInf", "IsFinite", "LogicalNot", "CheckNumerics", "CheckNumericsV2", "EnsureShape",
     "Real", "Imag", "Conj", "Lgamma", "Digamma", "Atan", "Asin", "Acos", "Sinh", "Cosh"}
 _ELEMENTWISE = {
     "Add", "AddV2", "Sub", "Mul", "MulNoNan", "RealDiv", "Div", "DivNoNan", "FloorDiv", "FloorMod", "TruncateDiv",
@@ -50,7 +51,8 @@ _REDUCTIONS = {"Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "EuclideanNorm
 _ARG_REDUCTIONS = {"ArgMax", "ArgMin"}
 _METADATA = {"Shape", "ShapeN", "Size", "Rank", "Const", "Range", "RandomUniform", "RandomStandardNormal",
              "TruncatedNormal", "RandomUniformInt", "StatelessRandomUniformV2", "StatelessRandomNormalV2",
-             "StatelessRandomUniformIntV2", "StatelessTruncatedNormalV2", "Fill", "VarHandleOp", "ReadVariableOp"}
+             "StatelessRandomUniformIntV2", "StatelessTruncatedNormalV2", "VarHandleOp", "ReadVariableOp"}
+_CONSTANT_LIKE = {"ZerosLike", "OnesLike"}  # the input's shape, not its values
 _BATCH_FIRST = {"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MaxPool", "MaxPoolV2", "AvgPool", "MaxPool3D",
                 "AvgPool3D", "FusedBatchNormV3", "FusedBatchNorm", "LRN"}
 _SOFTMAX = {"Softmax", "LogSoftmax"}
@@ -107,6 +109,10 @@ class RowAxes:
             return [None] * len(op.outputs)
         if kind in _UNARY:
             return [_alone(axes)] * len(op.outputs)
+        if kind in _CONSTANT_LIKE:
+            return [axes[0] if isinstance(axes[0], int) else None]
+        if kind == "Fill":  # (dims, value): the value everywhere
+            return [axes[1] if axes[1] == STATISTIC and axes[0] is None else UNKNOWN]
         if kind == "IdentityN":
             return list(axes)
         if kind in _ELEMENTWISE or (kind == "Select" and len({x.shape.rank for x in op.inputs}) == 1):
@@ -177,8 +183,7 @@ class RowAxes:
         return axis if op.type == "ConcatV2" or axis < joined else axis + 1
 
     def _reduced(self, op, axes):
-        """A reduction's output: the rows' axis shifted, ``STATISTIC`` when it reduces the rows and keeps another
-        axis, None when it reduces every axis."""
+        """A reduction's output: the rows' axis shifted, or ``STATISTIC`` when it reduces the rows."""
         x, axis = op.inputs[0], axes[0]
         rank = x.shape.rank
         reduced = _constant(op.inputs[1])
@@ -186,8 +191,6 @@ class RowAxes:
             return UNKNOWN
         reduced = {int(a) % rank for a in np.atleast_1d(reduced)} if rank else set()
         keep = op.type in _REDUCTIONS and op.get_attr("keep_dims")
-        if reduced >= set(range(rank)):
-            return None  # a scalar (or all axes of size 1)
         if axis == STATISTIC:
             return STATISTIC
         if axis in reduced:

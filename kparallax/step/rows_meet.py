@@ -18,8 +18,9 @@ body) are not seen.
 Rows that meet in other ways (``row_axes``: a statistic over the batch combined with its rows, a softmax over the
 batch axis, pairwise differences, a cumulative sum along the rows) get the same kind of check: it fails when the
 tensors meeting there have as many rows as the worker's batch on the axes that hold them. Ops made under ``apart()``
-(BatchNormalization's per-worker statistics, ``sync_batch_norm=False``) and ``kp.all_gather``'s outputs are not
-followed. Only the forward pass's meetings are checked: the backward pass meets where it does.
+(BatchNormalization's per-worker statistics, ``sync_batch_norm=False``; Keras' masked mean loss, whose valid count
+the step counts over the workers itself) and ``kp.all_gather``'s outputs are not followed. Only the forward pass's
+meetings are checked: the backward pass meets where it does.
 """
 
 import contextlib
@@ -79,6 +80,11 @@ def refused(num_workers, micro_batches, data):
     for *held, message in checks:
         every = tf.reduce_all(tf.stack([tf.equal(tf.shape(t)[axis], rows) for t, axis in held]))
         tf.debugging.Assert(tf.logical_not(every), [message])
+
+
+def install():
+    """Keras' masked mean losses count their valid entries under ``apart()`` (once, process-wide)."""
+    keras_losses.hook_valid_mask(apart)
 
 
 @contextlib.contextmanager
