@@ -55,6 +55,7 @@ _METADATA = {"Shape", "ShapeN", "Size", "Rank", "Const", "Range", "RandomUniform
 _CONSTANT_LIKE = {"ZerosLike", "OnesLike"}  # the input's shape, not its values
 _BATCH_FIRST = {"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MaxPool", "MaxPoolV2", "AvgPool", "MaxPool3D",
                 "AvgPool3D", "FusedBatchNormV3", "FusedBatchNorm", "LRN"}
+PRODUCTS = {"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"}
 _SOFTMAX = {"Softmax", "LogSoftmax"}
 _CUMULATIVE = {"Cumsum", "Cumprod", "CumulativeLogsumexp"}
 
@@ -125,7 +126,7 @@ class RowAxes:
             return [self._joined(op, axes)]
         if kind in _SHAPES:
             return _SHAPES[kind](op, axes)
-        if kind in ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"):
+        if kind in PRODUCTS:
             return [_product(op, axes)]
         if kind == "Einsum":
             return [_einsum(op, axes)]
@@ -393,8 +394,7 @@ def _product(op, axes):
     a, b = op.inputs
     if a.shape.rank is None or b.shape.rank is None:
         return UNKNOWN
-    names = ("transpose_a", "transpose_b") if op.type == "MatMul" else ("adj_x", "adj_y")
-    flip_a, flip_b = (op.get_attr(n) for n in names)
+    flip_a, flip_b = flips(op)
     rank = max(a.shape.rank, b.shape.rank)
     if axes[0] is not None and axes[1] is not None:
         both_first = axes[0] == 0 and axes[1] == 0 and a.shape.rank == b.shape.rank > 2
@@ -412,10 +412,8 @@ def _product(op, axes):
 def _einsum(op, axes):
     """An einsum's output: the rows' label's place in it, when one label holds the rows of every side that has
     them; ``UNKNOWN`` when they are summed over or the sides' rows have different labels."""
-    equation = op.get_attr("equation").decode().replace(" ", "")
-    inputs, _, output = equation.partition("->")
-    sides = inputs.split(",")
-    if "." in equation or len(sides) != len(op.inputs):
+    sides, output = einsum_sides(op)
+    if "." in "".join(sides) + output or len(sides) != len(op.inputs):
         return UNKNOWN
     labels = set()
     for side, axis in zip(sides, axes):
@@ -428,3 +426,15 @@ def _einsum(op, axes):
         return UNKNOWN
     label, = labels
     return output.index(label) if label in output else UNKNOWN
+
+
+def flips(op):
+    """Whether matrix product ``op`` (a type in ``PRODUCTS``) takes each side transposed: (a's, b's)."""
+    names = ("transpose_a", "transpose_b") if op.type == "MatMul" else ("adj_x", "adj_y")
+    return tuple(bool(op.get_attr(name)) for name in names)
+
+
+def einsum_sides(op):
+    """An ``Einsum`` op's labels, spaces dropped: each operand's, and the output's (``(["id", "jd"], "ij")``)."""
+    inputs, _, output = op.get_attr("equation").decode().replace(" ", "").partition("->")
+    return inputs.split(","), output

@@ -33,7 +33,6 @@ from kparallax._compat import repeated_rows
 from kparallax._compat import tf as tf_compat
 from kparallax.step import row_axes
 
-_PRODUCTS = {"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"}
 _ACTIVE = threading.local()
 _BACKWARD = "/gradient_tape/"  # the name scope of a tape's gradient ops
 _MOST_CHECKS = 16
@@ -122,20 +121,18 @@ def _scored_rows(op):
     ``b``); None otherwise."""
     if op.type == "Einsum":
         return _einsum_rows(op)
-    if op.type not in _PRODUCTS or len(op.inputs) != 2 or any(x.shape.rank != 2 for x in op.inputs):
+    if op.type not in row_axes.PRODUCTS or len(op.inputs) != 2 or any(x.shape.rank != 2 for x in op.inputs):
         return None
-    names = ("transpose_a", "transpose_b") if op.type == "MatMul" else ("adj_x", "adj_y")
-    a, transpose_a = _untransposed(op.inputs[0], op.get_attr(names[0]))
-    b, transpose_b = _untransposed(op.inputs[1], op.get_attr(names[1]))
+    flip_a, flip_b = row_axes.flips(op)
+    a, transpose_a = _untransposed(op.inputs[0], flip_a)
+    b, transpose_b = _untransposed(op.inputs[1], flip_b)
     return (a, b) if not transpose_a and transpose_b else None
 
 
 def _einsum_rows(op):
     """``_scored_rows`` of an ``Einsum`` op: two rank-2 operands whose first labels make the output's
     (``"id,jd->ij"``)."""
-    equation = op.get_attr("equation").decode()
-    inputs, _, output = equation.replace(" ", "").partition("->")
-    sides = inputs.split(",")
+    sides, output = row_axes.einsum_sides(op)
     if len(op.inputs) != 2 or len(sides) != 2 or any(len(s) != 2 for s in sides) or len(output) != 2:
         return None
     (a_row, a_col), (b_row, b_col) = sides
