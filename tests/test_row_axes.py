@@ -1,6 +1,7 @@
 """step/row_axes.py: which axis of a traced tensor holds the batch's rows, followed through the ops a step makes
-(element-wise, reductions, shape ops, slices, gathers, products), with the batch's size unknown and static. Its
-meetings are tested through their refusal in ``test_rows.py``."""
+(element-wise, reductions, shape ops, slices, gathers, products), with the batch's size unknown and static; which
+functions of a statistic of the batch are ``nonlinear`` meetings. Meetings are tested through their refusal in
+``test_rows.py``."""
 
 import numpy as np
 import tensorflow as tf
@@ -21,7 +22,7 @@ EXPRESSIONS = {
     "a sum per row, kept": (lambda x, ids, w: tf.reduce_sum(x, axis=-1, keepdims=True), 0),
     "a sum of everything": (lambda x, ids, w: tf.reduce_sum(x), STATISTIC),
     "a mean over the rows": (lambda x, ids, w: tf.reduce_mean(x, axis=0), STATISTIC),
-    "a statistic's function": (lambda x, ids, w: tf.sqrt(tf.reduce_mean(x, axis=0) + w), STATISTIC),
+    "a statistic's function": (lambda x, ids, w: tf.reduce_mean(x, axis=0) * 2.0 + w, STATISTIC),
     "a statistic filled in": (lambda x, ids, w: tf.fill([2, 3], tf.reduce_max(x)), STATISTIC),
     "zeros shaped as a statistic": (lambda x, ids, w: x + tf.zeros_like(tf.reduce_mean(x, axis=0)), 0),
     "an argmax per row": (lambda x, ids, w: tf.argmax(x, axis=1), 0),
@@ -76,3 +77,41 @@ def test_the_rows_axis_is_followed_through_the_ops_of_a_step():
         for name, (_, expected) in EXPRESSIONS.items():
             assert got[name] == expected, (rows, name, got[name])
         assert not meetings, [m.op.name for m in meetings]
+
+
+# Functions of a statistic of the batch x [B, 3]: the op of the nonlinear meeting each makes and the reduction it
+# names, or None for sums, differences and scalings by values without rows (w), which make none.
+FUNCTIONS = {
+    "a root": (lambda x, w: tf.sqrt(tf.reduce_mean(tf.square(x))), ("Sqrt", "Mean")),
+    "a square of column means": (lambda x, w: tf.square(tf.reduce_mean(x, axis=0)), ("Square", "Mean")),
+    "a log": (lambda x, w: tf.math.log(tf.reduce_sum(tf.exp(x))), ("Log", "Sum")),
+    "a product of two": (lambda x, w: tf.reduce_mean(x) * tf.reduce_max(x), ("mul", "Mean")),
+    "a quotient": (lambda x, w: tf.reduce_sum(x) / tf.stop_gradient(tf.reduce_sum(tf.abs(x))), ("truediv", "Sum_1")),
+    "a maximum": (lambda x, w: tf.maximum(tf.reduce_mean(x), 1.0), ("Maximum", "Mean")),
+    "a softmax of column means": (lambda x, w: tf.nn.softmax(tf.reduce_mean(x, axis=0)), ("Softmax", "Mean")),
+    "the largest column mean": (lambda x, w: tf.reduce_max(tf.reduce_mean(x, axis=0)), ("Max", "Mean")),
+    "sums and scalings": (lambda x, w: tf.add_n([tf.reduce_mean(x) * 2.0, tf.reduce_sum(w), -tf.reduce_sum(x) / 4.0]),
+                          None),
+    "divided by a count": (lambda x, w: tf.reduce_sum(x) / tf.cast(tf.shape(x)[0], tf.float32), None),
+    "scaled by a weight": (lambda x, w: tf.stop_gradient(tf.reduce_mean(x, axis=0)) * w, None),
+    "a mean of means": (lambda x, w: tf.reduce_mean(tf.reduce_mean(x, axis=0)), None),
+    "rounded": (lambda x, w: tf.round(tf.reduce_mean(x)), None),
+    "compared": (lambda x, w: tf.cast(tf.reduce_mean(x) > 0.0, tf.float32), None),
+}
+
+
+def test_nonlinear_functions_of_a_statistic_are_meetings_and_sums_are_not():
+    for rows in (None, 4):
+        for name, (build, expected) in FUNCTIONS.items():
+            graph = tf.Graph()
+            with graph.as_default():
+                x = tf.compat.v1.placeholder(tf.float32, [rows, 3])
+                w = tf.constant(np.ones((3, 3), np.float32))
+                first = len(graph.get_operations())
+                output = build(x, w)
+                axes = row_axes.RowAxes((x,))
+                axes.follow(graph.get_operations()[first:])
+            assert axes.axis(output) == STATISTIC, (rows, name)
+            got = [(m.op.name, m.source.name) for m in axes.meetings]
+            assert all(m.kind == "nonlinear" and m.rows[0][0].shape.rank == 2 for m in axes.meetings), (rows, name)
+            assert (got[0] if got else None) == expected, (rows, name, got)

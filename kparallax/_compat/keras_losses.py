@@ -28,11 +28,15 @@ class LossScales(typing.NamedTuple):
     scalar tensor), or None when every worker's batch has the same rows. ``over_workers``: a function giving the sum
     of a float32 scalar over the workers (a collective), for the valid counts of masked losses. ``micro_batches``:
     the micro-batches accumulated per update (``backward_passes_per_step``), whose gradients the step averages.
+    ``globalized``: a function giving, for a loss function and its (y_true, y_pred), a replacement taking its
+    statistics of the batch over every worker, or None where it needs none (``step/batch_statistics.py``); None:
+    never replaced.
     """
     workers: int
     rows_share: object
     over_workers: typing.Callable
     micro_batches: int = 1
+    globalized: typing.Callable = None
 
 
 _SUMMED = (tf.keras.losses.Reduction.SUM, tf.keras.losses.Reduction.NONE)
@@ -49,8 +53,10 @@ class _ScaledLoss:
     without a mask (Keras divides by the element count; the share does the rest); under a mask (Keras divides by
     the valid count) value and gradient times ``workers * valid / valid over all workers``. A loss function that
     gives one scalar for the batch, whatever the reduction (Keras leaves a scalar as it is): value and gradient
-    times ``workers`` if it sums over the batch, unchanged if it averages (``_batch_scalar_sums``). Every other
-    attribute is the wrapped loss's.
+    times ``workers`` if it sums over the batch, unchanged if it averages (``_batch_scalar_sums``). A loss function
+    of statistics of the batch other than their sums and means runs with the global batch's (``globalized``): one
+    scalar so computed is one process's on every worker and is left as it is. Every other attribute is the wrapped
+    loss's.
     """
 
     def __init__(self, loss, scales):
@@ -64,10 +70,16 @@ class _ScaledLoss:
             return self._scaled(y_true, y_pred, sample_weight)
 
     def _scaled(self, y_true, y_pred, sample_weight):
-        value = self._loss(y_true, y_pred, sample_weight=sample_weight)
         scales = self._scales()
+        replaced = None
+        if scales is not None and scales.globalized is not None and not _masked(self._loss, y_pred):
+            replaced = scales.globalized(self._loss.call, y_true, y_pred)
+        with _call_replaced(self._loss, replaced):
+            value = self._loss(y_true, y_pred, sample_weight=sample_weight)
         if scales is None or scales.workers * scales.micro_batches == 1:
             return value
+        if replaced is not None and _gives_one_scalar(self._loss.call, y_true, y_pred):
+            return value  # one process's value on the global batch, on every worker
         _, sums = _batch_scalar_sums(self._loss.call, y_true, y_pred)
         if sums is not None:  # a mean needs nothing more than an averaged loss does; a sum what reduction "sum" does
             summed = summed_factor(scales, value.dtype)
@@ -92,6 +104,19 @@ class _ScaledLoss:
         if self._loss.reduction == tf.keras.losses.Reduction.NONE:
             return _scaled(value, 1.0, factor)
         return value * factor
+
+
+@contextlib.contextmanager
+def _call_replaced(loss, call):
+    """While active, ``loss.call`` (the function Keras' ``Loss.__call__`` runs) is ``call``; unchanged if None."""
+    if call is None:
+        yield
+        return
+    loss.__dict__["call"] = call
+    try:
+        yield
+    finally:
+        del loss.__dict__["call"]
 
 
 def _own_average_loss():
@@ -133,14 +158,19 @@ def _batch_scalar_sums(fn, y_true, y_pred):
     ``tf.range`` over the rows against a column per candidate, failed with a label out of range on several workers).
     Where those ops cannot tell (the step runs eagerly, an op that is not copied, a static batch's count divided by)
     the whole function runs on the doubled batch."""
-    specs = [tf.type_spec_from_value(t) for t in (y_true, y_pred)]
-    if tf.function(fn).get_concrete_function(*specs).structured_outputs.shape.rank != 0:
+    if not _gives_one_scalar(fn, y_true, y_pred):
         return None, None
     once = fn(y_true, y_pred)
     twice = repeated_rows.twice_where_told(once, (y_true, y_pred))
     if twice is None:
         twice = fn(tf.concat([y_true, y_true], axis=0), tf.concat([y_pred, y_pred], axis=0))
     return once, repeated_rows.doubles(once, twice)
+
+
+def _gives_one_scalar(fn, y_true, y_pred):
+    """Whether ``fn(y_true, y_pred)`` gives one scalar, read from a trace of its own (no ops in the step)."""
+    specs = [tf.type_spec_from_value(t) for t in (y_true, y_pred)]
+    return tf.function(fn).get_concrete_function(*specs).structured_outputs.shape.rank == 0
 
 
 def batch_scalar_update(value, sums, workers, share):
@@ -156,6 +186,12 @@ def batch_scalar_update(value, sums, workers, share):
 def _scaled(value, shown, gradient):
     """``value`` times ``shown``, with its gradient times ``gradient``."""
     return value * shown + (gradient - shown) * (value - tf.stop_gradient(value))
+
+
+def _masked(loss, y_pred):
+    """Whether Keras averages ``loss`` under a mask (``_valid_count``)."""
+    ignore_class = (getattr(loss, "_fn_kwargs", None) or {}).get("ignore_class")
+    return getattr(y_pred, "_keras_mask", None) is not None or ignore_class is not None
 
 
 def _valid_count(loss, y_true, y_pred):
@@ -265,7 +301,9 @@ def _weigh_batch_scalars(metric, scales):
     One process adds its global batch's scalar to the mean's total and 1 to its count. The states are summed over
     the workers (``step/logs.py``), so each worker adds ``value * N`` with weight ``1 / N`` for a sum over the batch
     (total: the global batch's sum; count: 1), and ``value`` with weight ``share / N`` for a mean (total: the global
-    batch's mean, also when batches differ in size; count: 1). Functions giving a value per example, and updates
+    batch's mean, also when batches differ in size; count: 1). A function of statistics of the batch other than
+    their sums and means (a mean over a mask written by hand, ``LossScales.globalized``) runs with the global
+    batch's: each worker adds that one value with weight ``1 / N``. Functions giving a value per example, and updates
     with a sample weight or a mask, are Keras' own."""
     update = metric.update_state
 
@@ -278,7 +316,12 @@ def _weigh_batch_scalars(metric, scales):
         value = sums = None
         if current is not None and current.workers > 1 and sample_weight is None:
             fn = functools.partial(metric._fn, **metric._fn_kwargs)  # pylint: disable=protected-access
-            value, sums = _batch_scalar_sums(fn, tf.cast(y_true, metric.dtype), tf.cast(y_pred, metric.dtype))
+            cast = tf.cast(y_true, metric.dtype), tf.cast(y_pred, metric.dtype)
+            replaced = current.globalized and current.globalized(fn, *cast)
+            if replaced is not None and _gives_one_scalar(fn, *cast):  # one process's value on every worker
+                weight = tf.constant(1 / current.workers, metric.dtype)  # counted once over the summed states
+                return tf.keras.metrics.Mean.update_state(metric, replaced(*cast), sample_weight=weight)
+            value, sums = _batch_scalar_sums(fn, *cast)
         if sums is None:
             return update(y_true, y_pred, sample_weight=sample_weight)
         value, weight = batch_scalar_update(value, sums, current.workers, _share(current, value.dtype))

@@ -18,6 +18,7 @@ from tensorflow.python.eager import context as _context
 from tensorflow.python.eager import record as _record
 from tensorflow.python.framework import func_graph as _func_graph
 from tensorflow.python.framework import ops as _ops
+from tensorflow.python.ops import gen_math_ops as _gen_math
 from tensorflow.python.ops import gen_resource_variable_ops as _gen_rv
 from tensorflow.python.ops import handle_data_util as _handle_data_util
 from tensorflow.python.ops import resource_variable_ops as _rv
@@ -170,15 +171,16 @@ def _swapped(owners, name, value):
 
 
 def recording_gradients(record):
-    """While active, every ``tf.GradientTape.gradient`` call in this process hands ``record(sources, gradients)``
-    what it returns (then returns it). The public method is swapped on TensorFlow's class
-    (``tensorflow.python.eager.backprop.GradientTape``, which ``tf.GradientTape`` is) for the duration: Keras'
-    ``train_step`` and a user's reach it through ``tape.gradient`` or an optimizer's ``compute_gradients``."""
+    """While active, every ``tf.GradientTape.gradient`` call in this process hands ``record(target, sources,
+    gradients)`` what it was asked and what it returns (then returns it). The public method is swapped on
+    TensorFlow's class (``tensorflow.python.eager.backprop.GradientTape``, which ``tf.GradientTape`` is) for the
+    duration: Keras' ``train_step`` and a user's reach it through ``tape.gradient`` or an optimizer's
+    ``compute_gradients``."""
     original = _backprop.GradientTape.gradient
 
     def gradient(self, target, sources, *args, **kwargs):
         result = original(self, target, sources, *args, **kwargs)
-        record(sources, result)
+        record(target, sources, result)
         return result
 
     return _swapped([_backprop.GradientTape], "gradient", gradient)
@@ -333,6 +335,25 @@ def average_loss_replaced(wrap):
         yield
     finally:
         cell.cell_contents = previous
+
+
+def reductions_replaced(sum_fn, mean_fn):
+    """While active, ``tf.reduce_sum`` and ``tf.reduce_mean`` (and what is built on them: Keras' backend, norms,
+    ``count_nonzero``) make their op through ``sum_fn(own, input, axis, keep_dims, name=None)`` and ``mean_fn(...)``
+    alike, ``own`` TensorFlow's op function. Swapped in ``gen_math_ops`` (``_sum``, ``mean``), which
+    ``math_ops.reduce_sum_with_dims`` and ``reduce_mean`` call by module attribute (TensorFlow 2.15)."""
+    own_sum, own_mean = _gen_math._sum, _gen_math.mean  # pylint: disable=protected-access
+    return _swapped_each([(_gen_math, "_sum", functools.partial(sum_fn, own_sum)),
+                          (_gen_math, "mean", functools.partial(mean_fn, own_mean))])
+
+
+@contextlib.contextmanager
+def _swapped_each(swaps):
+    """``_swapped`` for each (owner, name, value) of ``swaps``, in order."""
+    with contextlib.ExitStack() as stack:
+        for owner, name, value in swaps:
+            stack.enter_context(_swapped([owner], name, value))
+        yield
 
 
 def captured_from(tensor):

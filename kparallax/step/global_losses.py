@@ -41,6 +41,7 @@ import tensorflow as tf
 
 from kparallax._compat import keras_losses
 from kparallax._compat import tf as tf_compat
+from kparallax.step import batch_statistics
 from kparallax.step import collectives
 
 _ACTIVE = threading.local()
@@ -108,7 +109,8 @@ def workers(num_workers, rows_share=None, micro_batches=1):
     previous = getattr(_ACTIVE, "scales", None)
     scales = keras_losses.LossScales(
         num_workers, rows_share,
-        lambda count: collectives.sum_over_workers(count, num_workers, name="kp_valid_count"), micro_batches)
+        lambda count: collectives.sum_over_workers(count, num_workers, name="kp_valid_count"), micro_batches,
+        batch_statistics.globalized if num_workers > 1 and micro_batches == 1 else None)
     _ACTIVE.scales = scales
     averaged = (tf_compat.average_loss_replaced(_average_loss(scales)) if num_workers * micro_batches > 1
                 else contextlib.nullcontext())

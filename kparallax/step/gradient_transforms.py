@@ -84,7 +84,7 @@ def recording():
     outer = getattr(_ACTIVE, "leaves", None)
     leaves = _ACTIVE.leaves = {}
 
-    def record(sources, gradients):
+    def record(_, sources, gradients):
         for variable, gradient in zip(tf.nest.flatten(sources), tf.nest.flatten(gradients)):
             if gradient is None or not isinstance(variable, tf.Variable):
                 continue

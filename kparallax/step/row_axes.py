@@ -17,7 +17,11 @@ batch and each worker over its own part (``meetings``):
 - ``softmax``: a softmax (or log-softmax) over the rows (``tf.nn.softmax(x, axis=0)``);
 - ``pairwise``: two tensors with rows on different axes broadcast against each other (pairwise differences,
   ``a[:, None] - b[None, :]``);
-- ``cumulative``: a cumulative sum or product along the rows.
+- ``cumulative``: a cumulative sum or product along the rows;
+- ``nonlinear``: a statistic taken through a function other than a sum, a difference or a scaling by values without
+  rows (the root of a mean squared error, a log of the batch's mean activation, a quotient of two statistics): one
+  process takes it of the global batch's statistic, each worker of its own. ``rows_meet`` refuses it only on the
+  way to a loss a tape differentiates: a logged root of a mean changes no weight.
 A loss's mean is a statistic too; it meets no rows. Keras' masked mean loss does (the mask times its size over its
 valid count), and the step counts that over the workers itself (``global_losses``): its ops are made ``apart``.
 
@@ -58,6 +62,15 @@ _BATCH_FIRST = {"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MaxPool", "MaxPool
 PRODUCTS = {"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"}
 _SOFTMAX = {"Softmax", "LogSoftmax"}
 _CUMULATIVE = {"Cumsum", "Cumprod", "CumulativeLogsumexp"}
+# Functions of a statistic other than sums, differences and scalings (``nonlinear``): ops that pass it on as it is,
+# and those of a piecewise constant output (no gradient), are not.
+_NONLINEAR = (_UNARY - {"Identity", "Snapshot", "StopGradient", "PreventGradient", "Cast", "Neg", "CheckNumerics",
+                        "CheckNumericsV2", "EnsureShape", "Real", "Imag", "Conj", "Floor", "Ceil", "Round", "Rint",
+                        "Sign", "IsNan", "IsInf", "IsFinite", "LogicalNot"}
+              | {"Maximum", "Minimum", "Pow", "SquaredDifference", "Xdivy", "Xlogy", "Atan2", "ClipByValue", "Max",
+                 "Min", "Prod", "EuclideanNorm"} | _SOFTMAX)
+_PRODUCT_LIKE = {"Mul", "MulNoNan"}  # nonlinear when two statistics multiply
+_QUOTIENTS = {"RealDiv", "Div", "DivNoNan"}  # nonlinear when a statistic divides
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +94,7 @@ class RowAxes:
                       for t in tf.nest.flatten(data) if isinstance(t, tf.Tensor) and t.shape.rank}
         self._sources = {}  # a statistic's ref -> (its reduction's op, the reduced tensor, the rows' axis)
         self.meetings = []
+        self.reductions = []  # the ops reducing the batch's rows (statistics' sources)
 
     def follow(self, ops):
         """Follows graph ``ops`` (each after the ops it reads), recording ``meetings``. The outputs of
@@ -94,6 +108,10 @@ class RowAxes:
             except (ValueError, TypeError, IndexError, KeyError, ArithmeticError):  # not as expected: not followed
                 outputs = [UNKNOWN] * len(op.outputs)
             statistic = next((self._sources[x.ref()] for x, a in zip(op.inputs, axes) if a == STATISTIC), None)
+            if statistic is not None and outputs[:1] == [STATISTIC] and _nonlinear(op, axes):
+                divisor = op.type in _QUOTIENTS or None
+                source, reduced, axis = self._sources[op.inputs[1].ref()] if divisor else statistic
+                self.meetings.append(Meeting(op, "nonlinear", ((reduced, axis),), source))
             for tensor, axis in zip(op.outputs, outputs):
                 if axis == STATISTIC and tensor.ref() not in self._sources:  # computed from a statistic
                     self._sources[tensor.ref()] = statistic
@@ -196,6 +214,7 @@ class RowAxes:
             return STATISTIC
         if axis in reduced:
             self._sources[op.outputs[0].ref()] = (op, x, axis)
+            self.reductions.append(op)
             return STATISTIC
         return axis if keep else axis - sum(a < axis for a in reduced)
 
@@ -211,6 +230,30 @@ class RowAxes:
             self.meetings.append(Meeting(op, "softmax" if op.type in _SOFTMAX else "cumulative", ((x, axis),)))
             return UNKNOWN
         return axis
+
+
+def feeding(targets, ops):
+    """The names of the graph ``ops`` that the ``targets`` (tensors) are computed from (data edges), the targets'
+    own too."""
+    names, seen = {op.name for op in ops}, set()
+    stack = [t.op for t in targets]
+    while stack:
+        op = stack.pop()
+        if op.name in seen or op.name not in names:
+            continue
+        seen.add(op.name)
+        stack.extend(x.op for x in op.inputs)
+    return seen
+
+
+def _nonlinear(op, axes):
+    """Whether graph op ``op``, of inputs whose rows' axes are ``axes`` and of a statistic as output, takes a
+    statistic through a function other than a sum, a difference or a scaling by values without rows."""
+    if op.type in _PRODUCT_LIKE:
+        return axes.count(STATISTIC) > 1
+    if op.type in _QUOTIENTS:
+        return axes[1] == STATISTIC
+    return op.type in _NONLINEAR and STATISTIC in axes
 
 
 def _alone(axes):

@@ -21,6 +21,12 @@ tensors meeting there have as many rows as the worker's batch on the axes that h
 (BatchNormalization's per-worker statistics, ``sync_batch_norm=False``; Keras' masked mean loss, whose valid count
 the step counts over the workers itself) and ``kp.all_gather``'s outputs are not followed. Only the forward pass's
 meetings are checked: the backward pass meets where it does.
+
+A statistic of the batch taken through a function other than a sum or a scaling (``row_axes``' ``nonlinear``: a
+root mean squared error as the loss, a loss divided by a statistic of the batch) is checked the same way, on the rows
+of the reduced tensor, where a loss the step's tapes differentiate is computed from it (their ``tape.gradient``
+targets, recorded while the step is traced): a root of a mean logged beside the loss changes no weight. A loss
+function compiled with the model gets here only what ``batch_statistics`` could not make global.
 """
 
 import contextlib
@@ -60,8 +66,15 @@ def refused(num_workers, micro_batches, data):
     first = len(graph.get_operations())
     outer = getattr(_ACTIVE, "gathered", None), getattr(_ACTIVE, "apart", None)
     _ACTIVE.gathered, _ACTIVE.apart = set(), set()
+    targets = []  # what the step's tapes differentiate: its losses
+
+    def record(target, sources, gradients):
+        del sources, gradients
+        targets.extend(t for t in tf.nest.flatten(target) if tf.is_tensor(t) and getattr(t, "graph", None) is graph)
+
     try:
-        yield
+        with tf_compat.recording_gradients(record):
+            yield
         marked, apart_ops = _ACTIVE.gathered, _ACTIVE.apart
     finally:
         _ACTIVE.gathered, _ACTIVE.apart = outer
@@ -73,7 +86,7 @@ def refused(num_workers, micro_batches, data):
             checks.append(((sides[0], 0), (sides[1], 0), _message(op, *sides, where)))
     axes = row_axes.RowAxes(data, apart=marked, apart_ops=apart_ops)
     axes.follow(ops)
-    meetings = [m for m in axes.meetings if _BACKWARD not in f"/{m.op.name}"]  # the backward pass meets after it
+    meetings = _forward(axes.meetings, row_axes.feeding(targets, ops))
     checks.extend((*meeting.rows, _meeting_message(meeting, where)) for meeting in meetings[:_MOST_CHECKS])
     rows = tf.cast(keras_losses.batch_rows(data), tf.int32) if checks else None
     for *held, message in checks:
@@ -100,6 +113,21 @@ def apart():
         yield
     finally:
         names.update(op.name for op in graph.get_operations()[first:])
+
+
+def _forward(meetings, feeding):
+    """The ``meetings`` of the forward pass (the backward pass meets where it does), of the ``nonlinear`` kind only
+    those in ``feeding`` (names of the ops a differentiated loss is computed from), the first of each statistic."""
+    kept, statistics = [], set()
+    for meeting in meetings:
+        if _BACKWARD in f"/{meeting.op.name}":
+            continue
+        if meeting.kind == "nonlinear":
+            if meeting.op.name not in feeding or meeting.source.name in statistics:
+                continue
+            statistics.add(meeting.source.name)
+        kept.append(meeting)
+    return kept
 
 
 def _read_from(tensor, marked):
@@ -176,6 +204,17 @@ def _meeting_message(meeting, where):
         other, other_axis = meeting.rows[1]
         how = (f"{op.type} broadcasts the rows of {x.shape} (axis {axis}) against those of {other.shape} (axis "
                f"{other_axis}), pairing every row of the batch with every other, as pairwise differences do")
+    elif meeting.kind == "nonlinear":
+        return (f"A statistic of the batch reaches the loss through {op.name} ({op.type} of {meeting.source.type} "
+                f"over the rows of the batch in {meeting.source.name}: a function of that statistic other than a sum "
+                "or a scaling, as a root mean squared error loss, a log of a mean over the batch or a loss divided "
+                "by a statistic of the batch is): each worker would take it of the statistic of its own rows only, "
+                "and the model would train apart from one process on the global batch. Received: that op in the "
+                f"training step of {where}. "
+                "Take the statistic over every worker: of the rows of kp.all_gather(value) (with sync=True and "
+                "backward_passes_per_step=1); a loss function compiled with the model (of its targets and "
+                "predictions) gets its sums and means over every worker from kparallax itself (with "
+                "backward_passes_per_step=1); or make the loss a mean or sum of per-row values.")
     else:
         how = f"{op.type} along the rows of the batch, axis {axis} of its input {x.shape}"
     return (f"Rows of the batch meet in {op.name} ({how}): each worker would compute it from its own rows only, "
