@@ -20,6 +20,37 @@ GLOBAL = {  # loss functions of (y_true, y_pred) taking statistics of the batch 
     "errors_over_the_batch_deviation": lambda t, p: tf.square(p - t) / tf.math.reduce_std(t, axis=0),
     "squared_mean_error": lambda t, p: tf.square(tf.reduce_mean(p - t)),
 }
+
+
+def _tutorial_masked_loss(label, pred):
+    """TensorFlow's transformer tutorial's loss: per-token cross-entropies of [B, T, V] logits, padding masked out,
+    averaged over the batch's valid tokens."""
+    mask = label != 0
+    loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")(label, pred)
+    mask = tf.cast(mask, dtype=loss.dtype)
+    return tf.reduce_sum(loss * mask) / tf.reduce_sum(mask)
+
+
+def _tutorial_masked_accuracy(label, pred):
+    """Its metric: the share of valid tokens predicted right."""
+    pred = tf.argmax(pred, axis=2)
+    label = tf.cast(label, pred.dtype)
+    mask = label != 0
+    return tf.reduce_sum(tf.cast((label == pred) & mask, tf.float32)) / tf.reduce_sum(tf.cast(mask, tf.float32))
+
+
+def test_the_transformer_tutorial_s_masked_loss_and_accuracy_are_replaced():
+    # The cross-entropy reshapes the logits to [B * T, V] and back: its rows are followed through (row_axes.entries).
+    replaced = []
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 7], tf.int64), tf.TensorSpec([None, 7, 11], tf.float32)])
+    def step(t, p):
+        replaced.extend(batch_statistics.globalized(fn, t, p) for fn in (_tutorial_masked_loss,
+                                                                          _tutorial_masked_accuracy))
+        return t
+
+    step.get_concrete_function()
+    assert all(r is not None for r in replaced)
 LEFT = {  # sums, means and scalings of statistics, per-row values, and what gathered sums and means cannot fix
     "mean_squared_error": lambda t, p: tf.reduce_mean(tf.square(p - t)) * 0.5 + 1.0,
     "sum": lambda t, p: tf.reduce_sum(tf.abs(p - t)),
@@ -73,7 +104,7 @@ def test_outside_a_step_the_replacement_gives_the_function_s_value_and_gradient(
     (lambda t, p: tf.sqrt(tf.reduce_mean(tf.reduce_sum(tf.square(p - t), axis=1))), ["mean", "count"]),
     (GLOBAL["masked_mean"], ["sum", "sum"]),
     (lambda t, p: tf.reduce_sum(tf.square(p - t) / tf.math.reduce_std(t, axis=0)), ["mean", "count"] * 2 + ["sum"]),
-])
+], ids=["root_of_a_mean_of_row_sums", "masked_mean", "sum_over_the_batch_deviation"])
 def test_the_replacement_gathers_the_sums_and_means_over_the_rows_only(monkeypatch, fn, gathered):
     # What it hands kp.all_gather (the identity outside a step): each sum over the rows, and each mean's value and
     # count of elements; a sum per row (axis=1) stays the worker's.

@@ -1,5 +1,6 @@
 """step/row_axes.py: which axis of a traced tensor holds the batch's rows, followed through the ops a step makes
-(element-wise, reductions, shape ops, slices, gathers, products), with the batch's size unknown and static; which
+(element-wise, reductions, shape ops, slices, gathers, products; a reshape splitting each row's values into entries
+and joining them back), with the batch's size unknown and static; which
 functions of a statistic of the batch are ``nonlinear`` meetings. Meetings are tested through their refusal in
 ``test_rows.py``."""
 
@@ -35,7 +36,10 @@ EXPRESSIONS = {
     "some rows": (lambda x, ids, w: x[:2], UNKNOWN),
     "one row": (lambda x, ids, w: x[0], UNKNOWN),
     "flattened per row": (lambda x, ids, w: tf.keras.layers.Flatten()(x[:, :, None]), 0),
-    "rows merged into one axis": (lambda x, ids, w: tf.reshape(x, [-1]), UNKNOWN),
+    "each row's values as entries": (lambda x, ids, w: tf.reshape(x, [-1]), 0),
+    "entries joined back into rows": (lambda x, ids, w: tf.reshape(tf.reshape(x, [-1, 1]) * 2.0, [-1, 3]), 0),
+    "entries split by a shape read": (lambda x, ids, w: tf.reshape(x[:, None] + w, [-1, tf.shape(w)[-1]]), 0),
+    "two rows joined into one entry": (lambda x, ids, w: tf.reshape(x, [-1, 6]), UNKNOWN),
     "tiled columns": (lambda x, ids, w: tf.tile(x, [1, 2]), 0),
     "tiled rows": (lambda x, ids, w: tf.tile(x, [2, 1]), UNKNOWN),
     "columns split": (lambda x, ids, w: tf.split(x, 3, axis=1)[2], 0),
@@ -77,6 +81,23 @@ def test_the_rows_axis_is_followed_through_the_ops_of_a_step():
         for name, (_, expected) in EXPRESSIONS.items():
             assert got[name] == expected, (rows, name, got[name])
         assert not meetings, [m.op.name for m in meetings]
+
+
+def test_a_reshape_splitting_rows_into_entries_counts_them_and_joining_them_back_restores_the_rows():
+    # A sequence's cross-entropy: logits [B, 7, 11] -> [B * 7, 11] with labels [B, 7] -> [B * 7], back to [B, 7].
+    for rows in (None, 4):
+        graph = tf.Graph()
+        with graph.as_default():
+            labels = tf.compat.v1.placeholder(tf.int32, [rows, 7])
+            logits = tf.compat.v1.placeholder(tf.float32, [rows, 7, 11])
+            first = len(graph.get_operations())
+            flat = tf.reshape(logits, [-1, tf.shape(logits)[-1]])
+            losses = tf.nn.sparse_softmax_cross_entropy_with_logits(tf.reshape(labels, [-1]), flat)
+            back = tf.reshape(losses, tf.shape(labels))
+            axes = row_axes.RowAxes((labels, logits))
+            axes.follow(graph.get_operations()[first:])
+        assert [axes.axis(t) for t in (flat, losses, back)] == [0, 0, 0], rows
+        assert [axes.entries(t) for t in (flat, losses, back)] == [7, 7, 1], rows
 
 
 # Functions of a statistic of the batch x [B, 3]: the op of the nonlinear meeting each makes and the reduction it

@@ -74,16 +74,17 @@ def _global_reductions(data):
         followed[0] = len(ops)
         return local.op in axes.reductions
 
-    def global_sum(own, tensor, reduced, keep_dims=False, name=None):
-        local = own(tensor, reduced, keep_dims, name=name)
+    def global_sum(own, *args, **kwargs):
+        local = own(*args, **kwargs)
         if not reduces_rows(local):
             return local
         return own(rows.all_gather(local[None]), 0, False)
 
-    def global_mean(own, tensor, reduced, keep_dims=False, name=None):
-        local = own(tensor, reduced, keep_dims, name=name)
+    def global_mean(own, *args, **kwargs):
+        local = own(*args, **kwargs)
         if not reduces_rows(local) or not local.dtype.is_floating:
             return local
+        tensor = local.op.inputs[0]
         count = tf.cast(tf.size(tensor), local.dtype) / tf.cast(tf.size(local), local.dtype)  # elements per value
         total = tf.math.reduce_sum(rows.all_gather(tf.math.multiply_no_nan(local, count)[None]), axis=0)
         return total / tf.math.reduce_sum(rows.all_gather(count[None]), axis=0)  # an empty part adds 0 rows

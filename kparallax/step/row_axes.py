@@ -7,7 +7,10 @@ order they were made, and gives each output one of:
 - ``STATISTIC``: a reduction over the rows (a per-column mean, the batch's maximum, a loss's mean), and what is
   computed from it and values without rows;
 - ``UNKNOWN``: anything else the batch reaches (an op not followed here, a function call, a loop, a collective,
-  rows merged into another axis by a reshape). Nothing is refused from it.
+  several rows' values joined into one entry by a reshape). Nothing is refused from it.
+
+A reshape may split each row's values into several entries of the rows' axis (``[B, T, V] -> [B * T, V]``, as a
+sequence's cross-entropy does) and join them back (``[B * T] -> [B, T]``): ``entries`` counts them.
 
 While it follows them it records the ops where rows of the batch meet, which one process computes over the global
 batch and each worker over its own part (``meetings``):
@@ -95,6 +98,7 @@ class RowAxes:
         self._sources = {}  # a statistic's ref -> (its reduction's op, the reduced tensor, the rows' axis)
         self.meetings = []
         self.reductions = []  # the ops reducing the batch's rows (statistics' sources)
+        self._merged = {}  # a tensor's ref -> the entries per row of the batch on its rows' axis, when more than 1
 
     def follow(self, ops):
         """Follows graph ``ops`` (each after the ops it reads), recording ``meetings``. The outputs of
@@ -107,10 +111,12 @@ class RowAxes:
                 outputs = [UNKNOWN] * len(op.outputs) if op.name in self._apart_ops else self._outputs(op, axes)
             except (ValueError, TypeError, IndexError, KeyError, ArithmeticError):  # not as expected: not followed
                 outputs = [UNKNOWN] * len(op.outputs)
+            outputs = self._merge(op, axes, outputs)
             statistic = next((self._sources[x.ref()] for x, a in zip(op.inputs, axes) if a == STATISTIC), None)
             if statistic is not None and outputs[:1] == [STATISTIC] and _nonlinear(op, axes):
-                divisor = op.type in _QUOTIENTS or None
-                source, reduced, axis = self._sources[op.inputs[1].ref()] if divisor else statistic
+                if op.type in _QUOTIENTS:  # the statistic dividing
+                    statistic = self._sources.get(op.inputs[1].ref()) or statistic
+                source, reduced, axis = statistic
                 self.meetings.append(Meeting(op, "nonlinear", ((reduced, axis),), source))
             for tensor, axis in zip(op.outputs, outputs):
                 if axis == STATISTIC and tensor.ref() not in self._sources:  # computed from a statistic
@@ -121,6 +127,42 @@ class RowAxes:
     def axis(self, tensor):
         """The rows' axis of ``tensor`` (``None``, an ``int``, ``STATISTIC`` or ``UNKNOWN``)."""
         return self._axes.get(tensor.ref())
+
+    def entries(self, tensor):
+        """How many entries of ``tensor``'s rows' axis each row of the batch has: 1, or more where a reshape merged
+        the rows with the axes after them (``[B, T, V] -> [B * T, V]``, as a sequence's cross-entropy does)."""
+        return self._merged.get(tensor.ref(), 1)
+
+    def _merge(self, op, axes, outputs):
+        """``outputs`` (the rows' axes of ``op``'s outputs), recording the entries per row of those with rows: a
+        reshape's own (``_reshape``), or those of the inputs with rows (``UNKNOWN`` where they differ)."""
+        if op.type == "Reshape":
+            return outputs
+        entries = {self.entries(x) for x, a in zip(op.inputs, axes) if isinstance(a, int)}
+        if len(entries) > 1:
+            return [UNKNOWN if isinstance(a, int) else a for a in outputs]
+        if entries and max(entries) > 1:
+            self._merged.update((t.ref(), max(entries)) for t, a in zip(op.outputs, outputs) if isinstance(a, int))
+        return outputs
+
+    def _reshape(self, op, axes):
+        """Rows stay on axis 0 when each entry of the output's first axis holds values of one row of the batch: the
+        other axes keep their size (``Flatten``, ``[-1, d]`` of ``[B, d]``), or a row's values are split into
+        several entries (``[B, T, V] -> [-1, V]``: ``entries``) or joined back (``[B * T] -> [-1, T]``)."""
+        axis, before, after = axes[0], op.inputs[0].shape, _reshaped(op)
+        if axis == STATISTIC and axes[1] is None:
+            return [STATISTIC]
+        if axis != 0 or axes[1] is not None or not before[1:].is_fully_defined() or not after.rank:
+            return [UNKNOWN]
+        if not after[1:].is_fully_defined() or not after[1:].num_elements():
+            return [UNKNOWN]
+        per_row = self.entries(op.inputs[0]) * before[1:].num_elements()  # the values of one row of the batch
+        if per_row % after[1:].num_elements():
+            return [UNKNOWN]  # an entry would hold values of several rows
+        entries = per_row // after[1:].num_elements()
+        if entries > 1:
+            self._merged[op.outputs[0].ref()] = entries
+        return [0]
 
     def _outputs(self, op, axes):
         kind = op.type
@@ -142,6 +184,8 @@ class RowAxes:
             return [self._along(op, axes)]
         if kind in ("ConcatV2", "Pack"):
             return [self._joined(op, axes)]
+        if kind == "Reshape":
+            return self._reshape(op, axes)
         if kind in _SHAPES:
             return _SHAPES[kind](op, axes)
         if kind in PRODUCTS:
@@ -276,6 +320,30 @@ def _constant(tensor, depth=8):
     return None if any(x is None for x in inputs) else np.asarray(_FOLDED[tensor.op.type](*inputs))
 
 
+def _reshaped(op):
+    """The static shape of a ``Reshape``'s output, with the sizes its shape input takes from static dimensions of
+    other tensors (``tf.reshape(x, [-1, tf.shape(x)[-1]])``, which TensorFlow's shape inference leaves unknown)."""
+    shape, known = op.inputs[1], op.outputs[0].shape
+    if shape.op.type != "Pack" or known.rank is None:
+        return known
+    sizes = [_size(x) for x in shape.op.inputs]
+    return known.merge_with([None if size is None or size < 0 else size for size in sizes])
+
+
+def _size(tensor):
+    """A scalar size's value while tracing: a constant, or a static dimension read by ``tf.shape(x)[k]``."""
+    value = _constant(tensor)
+    if value is not None:
+        return int(value)
+    op = tensor.op
+    if op.type != "StridedSlice" or op.inputs[0].op.type != "Shape" or op.get_attr("shrink_axis_mask") != 1:
+        return None
+    index, dims = _constant(op.inputs[1]), op.inputs[0].op.inputs[0].shape  # begin: [k], folded
+    if index is None or dims.rank is None or not -dims.rank <= int(np.ravel(index)[0]) < dims.rank:
+        return None
+    return dims[int(np.ravel(index)[0])]
+
+
 def _static(tensor):
     value = _constant(tensor)
     if value is None:
@@ -306,18 +374,6 @@ def _transpose(op, axes):
     if not isinstance(axis, int):
         return [axis if axes[1] is None else UNKNOWN]
     return [_static(op.inputs[1]).index(axis)]
-
-
-def _reshape(op, axes):
-    """Rows stay on axis 0 when the other axes keep their size (``Flatten``, ``[-1, d]`` of ``[B, d]``)."""
-    axis, before, after = axes[0], op.inputs[0].shape, op.outputs[0].shape
-    if axis == STATISTIC and axes[1] is None:
-        return [STATISTIC]
-    if axis != 0 or axes[1] is not None or not before[1:].is_fully_defined() or after.rank is None:
-        return [UNKNOWN]
-    if not after[1:].is_fully_defined() or after[1:].num_elements() != before[1:].num_elements():
-        return [UNKNOWN]
-    return [0]
 
 
 def _tile(op, axes):
@@ -425,7 +481,7 @@ def _pad(op, axes):
 
 
 _SHAPES = {
-    "ExpandDims": _expand_dims, "Squeeze": _squeeze, "Transpose": _transpose, "Reshape": _reshape, "Tile": _tile,
+    "ExpandDims": _expand_dims, "Squeeze": _squeeze, "Transpose": _transpose, "Tile": _tile,
     "BroadcastTo": _broadcast_to, "Slice": _slice, "StridedSlice": _strided_slice, "GatherV2": _gather,
     "ResourceGather": _gather, "Split": _split, "SplitV": _split, "Unpack": _split, "OneHot": _one_hot, "Pad": _pad,
     "PadV2": _pad, "MirrorPad": _pad}

@@ -89,8 +89,8 @@ def refused(num_workers, micro_batches, data):
     meetings = _forward(axes.meetings, row_axes.feeding(targets, ops))
     checks.extend((*meeting.rows, _meeting_message(meeting, where)) for meeting in meetings[:_MOST_CHECKS])
     rows = tf.cast(keras_losses.batch_rows(data), tf.int32) if checks else None
-    for *held, message in checks:
-        every = tf.reduce_all(tf.stack([tf.equal(tf.shape(t)[axis], rows) for t, axis in held]))
+    for *held, message in checks:  # each held tensor with as many rows as the batch (times its entries per row)
+        every = tf.reduce_all(tf.stack([tf.equal(tf.shape(t)[axis], rows * axes.entries(t)) for t, axis in held]))
         tf.debugging.Assert(tf.logical_not(every), [message])
 
 

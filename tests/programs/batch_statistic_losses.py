@@ -1,18 +1,19 @@
-"""Losses of statistics of the batch other than its mean or sum: a root mean squared error and a mean over a mask
-written by hand (TensorFlow's transformer tutorial's), each a compiled loss function, and a sparsity penalty on the
-batch's mean activation added by a layer (``add_loss``: the Kullback-Leibler divergence of a target rate from each
-unit's mean sigmoid activation over the batch, as a sparse autoencoder's). One process takes them of the global
-batch's statistics. kparallax runs the compiled loss functions with the global batch's statistics itself; the
-layer's penalty takes them of ``kp.all_gather``'s rows ("gathered"), or of the worker's own rows, as the reference
-writes it ("own"), which kparallax refuses.
+"""Losses of statistics of the batch other than its mean or sum: a root mean squared error, a mean over a mask
+written by hand, and TensorFlow's transformer tutorial's masked loss and accuracy over per-token logits, each a
+compiled loss (and metric) function, and a sparsity penalty on the batch's mean activation added by a layer
+(``add_loss``: the Kullback-Leibler divergence of a target rate from each unit's mean sigmoid activation over the
+batch, as a sparse autoencoder's). One process takes them of the global batch's statistics. kparallax runs the
+compiled functions with the global batch's statistics itself; the layer's penalty takes them of ``kp.all_gather``'s
+rows ("gathered"), or of the worker's own rows, as the reference writes it ("own"), which kparallax refuses.
 
 Usage: batch_statistic_losses.py OUT_DIR MODE [OPTION]
   MODE=reference: one plain process on the global batch (never imports kparallax).
   MODE=kparallax: under kparallax-run (2 workers), per-worker batch; OPTION "gathered" (the default) or "own".
-Each model (``rmse``, ``masked_mean``, ``sparsity``) trains on 156 rows (a third of the targets 0, padding) with
-validation_split=0.25 (117 rows: a last batch of 21, split 11 and 10) for 3 epochs, the root mean squared error
-compiled as a metric too; writes OUT_DIR/<model>.npz (weights, then the epochs' logs: loss, rmse, val_loss,
-val_rmse) from worker 0 (or the process), after the last model trained.
+Each model (``rmse``, ``masked_mean``, ``sparsity``: one regression target per row, a third of them 0, padding;
+``tutorial``: a token per step, 30% of them 0, padding) trains on 156 rows with validation_split=0.25 (117 rows: a
+last batch of 21, split 11 and 10) for 3 epochs, a metric compiled too (the root mean squared error; the tutorial's
+masked accuracy); writes OUT_DIR/<model>.npz (weights, then the epochs' logs: loss, metric, val_loss, val_metric)
+from worker 0 (or the process), after the last model trained.
 """
 
 import contextlib
@@ -22,8 +23,7 @@ import sys
 import numpy as np
 import tensorflow as tf
 
-VOCAB, EMB, LEN, ROWS, GLOBAL_BATCH, RATE = 120, 6, 5, 156, 32, 0.1
-LOGS = ("loss", "rmse", "val_loss", "val_rmse")
+VOCAB, EMB, LEN, ROWS, GLOBAL_BATCH, RATE, TOKENS = 120, 6, 5, 156, 32, 0.1, 9
 
 
 def _rows(gather):
@@ -41,6 +41,29 @@ def masked_mean(y_true, y_pred):
     writes its masked loss."""
     mask = tf.cast(y_true != 0, y_pred.dtype)
     return tf.reduce_sum(tf.square(y_pred - y_true) * mask) / tf.reduce_sum(mask)
+
+
+def masked_loss(label, pred):
+    """TensorFlow's transformer tutorial's loss: per-token cross-entropies of [B, T, V] logits, padding (label 0)
+    masked out, averaged over the batch's valid tokens."""
+    mask = label != 0
+    loss_object = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+    loss = loss_object(label, pred)
+    mask = tf.cast(mask, dtype=loss.dtype)
+    loss *= mask
+    return tf.reduce_sum(loss) / tf.reduce_sum(mask)
+
+
+def masked_accuracy(label, pred):
+    """The tutorial's metric: the share of the batch's valid tokens predicted right."""
+    pred = tf.argmax(pred, axis=2)
+    label = tf.cast(label, pred.dtype)
+    match = label == pred
+    mask = label != 0
+    match = match & mask
+    match = tf.cast(match, dtype=tf.float32)
+    mask = tf.cast(mask, dtype=tf.float32)
+    return tf.reduce_sum(match) / tf.reduce_sum(mask)
 
 
 class Sparsity(tf.keras.layers.Layer):
@@ -69,18 +92,25 @@ def main(out_dir, mode, option="gathered"):
         strategy = kp.HybridStrategy()
         scope, batch, chief = strategy.scope, GLOBAL_BATCH // strategy.num_workers, strategy.is_chief
         gather = kp.all_gather if option == "gathered" else None
+    tokens = np.where(rng.random((ROWS, LEN)) < 0.3, 0, (ids * 7 + 3) % TOKENS).astype(np.int32)  # 0: padding
     results = {}
-    for name, loss in (("rmse", rmse), ("masked_mean", masked_mean), ("sparsity", "mse")):
+    for name, loss in (("rmse", rmse), ("masked_mean", masked_mean), ("sparsity", "mse"), ("tutorial", masked_loss)):
         with scope():
-            layers = [tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB),
-                      tf.keras.layers.GlobalAveragePooling1D(), tf.keras.layers.Dense(3)]
-            layers += [Sparsity(gather)] if name == "sparsity" else []
-            model = tf.keras.Sequential(layers + [tf.keras.layers.Dense(1)])
+            layers = [tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB)]
+            if name == "tutorial":  # per-token logits [B, LEN, TOKENS]
+                model = tf.keras.Sequential(layers + [tf.keras.layers.Dense(TOKENS)])
+                targets, metric = tokens, masked_accuracy
+            else:
+                layers += [tf.keras.layers.GlobalAveragePooling1D(), tf.keras.layers.Dense(3)]
+                layers += [Sparsity(gather)] if name == "sparsity" else []
+                model, targets, metric = tf.keras.Sequential(layers + [tf.keras.layers.Dense(1)]), y, rmse
             init = np.random.default_rng(21)
             model.set_weights([init.normal(scale=0.5, size=w.shape).astype(np.float32) for w in model.get_weights()])
-            model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss=loss, metrics=[rmse])
-            history = model.fit(ids, y, batch_size=batch, epochs=3, shuffle=False, validation_split=0.25, verbose=0)
-        results[name] = model.get_weights() + [np.array(history.history[k]) for k in LOGS]
+            model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss=loss, metrics=[metric])
+            history = model.fit(ids, targets, batch_size=batch, epochs=3, shuffle=False, validation_split=0.25,
+                                verbose=0)
+        logs = [key.format(metric.__name__) for key in ("loss", "{}", "val_loss", "val_{}")]
+        results[name] = model.get_weights() + [np.array(history.history[key]) for key in logs]
     for name, arrays in results.items() if chief else ():
         np.savez(os.path.join(out_dir, f"{name}.npz"), *arrays)
     if mode == "reference":
