@@ -340,8 +340,9 @@ def average_loss_replaced(wrap):
 def reductions_replaced(sum_fn, mean_fn):
     """While active, ``tf.reduce_sum`` and ``tf.reduce_mean`` (and what is built on them: Keras' backend, norms,
     ``count_nonzero``) make their op through ``sum_fn(own, *args, **kwargs)`` and ``mean_fn(own, *args, **kwargs)``,
-    ``own`` TensorFlow's op function and the rest its arguments (``input, axis, keep_dims, name``). Swapped in ``gen_math_ops`` (``_sum``, ``mean``), which
-    ``math_ops.reduce_sum_with_dims`` and ``reduce_mean`` call by module attribute (TensorFlow 2.15)."""
+    ``own`` TensorFlow's op function and the rest its arguments (``input, axis, keep_dims, name``). Swapped in
+    ``gen_math_ops`` (``_sum``, ``mean``), which ``math_ops.reduce_sum_with_dims`` and ``reduce_mean`` call by
+    module attribute (TensorFlow 2.15)."""
     own_sum, own_mean = _gen_math._sum, _gen_math.mean  # pylint: disable=protected-access
     return _swapped_each([(_gen_math, "_sum", functools.partial(sum_fn, own_sum)),
                           (_gen_math, "mean", functools.partial(mean_fn, own_mean))])

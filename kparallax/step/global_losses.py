@@ -28,7 +28,9 @@ traced (``workers``):
 A loss or metric function of a user's own that returns one scalar for the batch is told to be a sum or a mean over
 it (its value on the batch repeated twice doubles or stays, ``_compat.keras_losses._batch_scalar_sums``): a summed loss is
 scaled as ``reduction="sum"`` is, and such a metric's mean is updated so that its states summed over the workers are
-one process's (``_compat.keras_losses.weigh_compiled_metrics``).
+one process's (``_compat.keras_losses.weigh_compiled_metrics``). One that takes statistics of the batch through a
+nonlinear function (a root mean squared error, a mean over a mask written by hand) runs with the global batch's sums
+and means instead (``batch_statistics.py``), and is one process's value on every worker.
 
 ``tf.nn.compute_average_loss`` (a ``train_step`` written for tf.distribute) with a ``global_batch_size`` divides the
 worker's sum by it where one process divides the whole batch's: it is scaled as a summed loss (``_average_loss``).
