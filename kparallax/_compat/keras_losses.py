@@ -188,10 +188,20 @@ def _scaled(value, shown, gradient):
     return value * shown + (gradient - shown) * (value - tf.stop_gradient(value))
 
 
+def _keras_mask(y_pred):
+    """``y_pred``'s Keras mask (a private attribute Keras sets on a masked layer's output), or None."""
+    return getattr(y_pred, "_keras_mask", None)
+
+
+def _ignore_class(loss):
+    """A sparse cross-entropy's ``ignore_class`` (kept in a ``LossFunctionWrapper``'s private ``_fn_kwargs``), or
+    None."""
+    return (getattr(loss, "_fn_kwargs", None) or {}).get("ignore_class")
+
+
 def _masked(loss, y_pred):
     """Whether Keras averages ``loss`` under a mask (``_valid_count``)."""
-    ignore_class = (getattr(loss, "_fn_kwargs", None) or {}).get("ignore_class")
-    return getattr(y_pred, "_keras_mask", None) is not None or ignore_class is not None
+    return _keras_mask(y_pred) is not None or _ignore_class(loss) is not None
 
 
 def _valid_count(loss, y_true, y_pred):
@@ -199,9 +209,9 @@ def _valid_count(loss, y_true, y_pred):
     Keras mask, and a sparse cross-entropy's ``ignore_class``); None when none does (it divides by the element
     count)."""
     masks = []
-    if getattr(y_pred, "_keras_mask", None) is not None:
-        masks.append(tf.cast(y_pred._keras_mask, tf.bool))  # pylint: disable=protected-access
-    ignore_class = (getattr(loss, "_fn_kwargs", None) or {}).get("ignore_class")
+    if _keras_mask(y_pred) is not None:
+        masks.append(tf.cast(_keras_mask(y_pred), tf.bool))
+    ignore_class = _ignore_class(loss)
     if ignore_class is not None:
         valid = tf.not_equal(tf.cast(y_true, tf.int64), ignore_class)
         if masks and valid.shape.rank == masks[0].shape.rank + 1:
