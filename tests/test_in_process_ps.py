@@ -245,6 +245,39 @@ def test_architecture_ps_reads_each_dense_ps_variable_once_per_step_and_trains_e
     assert _reads_in_loops(model) == 0
 
 
+def _batch_gathers(model):
+    """The traced train step's gathers whose ids are the batch's own (through casts and reshapes): a row fetched
+    once per occurrence of its id."""
+    def source(tensor):
+        while tensor.op.type in ("Cast", "Reshape", "Identity") and tensor.op.inputs:
+            tensor = tensor.op.inputs[0]
+        return tensor.op.type
+    gathers = [op for op, _ in _traced_ops(model) if op.type == "ResourceGather"]
+    return [op for op in gathers if source(op.inputs[1]) in ("IteratorGetNext", "Placeholder")]
+
+
+def test_a_step_fetches_each_distinct_row_once_and_its_update_reads_nothing_from_the_worker(strategy):
+    """The batch (Zipf ids: each of 16 rows x 3 ids repeats some) fetches each distinct row of the PS table once;
+    the gradient is TensorFlow's gather's (a slice per id, repeats included), so the weights equal plain Keras' with
+    ``clipvalue``, which clips each slice. The update on the PS (a branch taken by the step's last push) reads the
+    learning rate and step count from copies made on the PS before it: a value of the worker's read in the branch
+    would cross only after the branch's predicate had crossed from the PS to the worker."""
+    plain = _model("plain_distinct")
+    expected_loss = _train(plain, tf.keras.optimizers.Adam(0.05, clipvalue=0.01))
+    with strategy.scope():
+        model = _model("fast_distinct")
+        loss = _train(model, tf.keras.optimizers.Adam(0.05, clipvalue=0.01))
+    for got, want in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+    assert len(_batch_gathers(plain)) == 1, "plain Keras gathers by the batch's ids: the check is not vacuous"
+    assert _batch_gathers(model) == []
+    updates = [op for op, _ in _traced_ops(model) if op.type in ("If", "StatelessIf") and "/job:ps/" in op.device]
+    assert updates
+    for op in updates:
+        assert not [x.op.name for x in op.inputs if "/job:worker/" in x.op.device], op.name
+
+
 @pytest.mark.parametrize("architecture", ["ps", "hybrid"])
 def test_steps_per_execution_trains_like_plain_keras(strategy, architecture):
     """compile(steps_per_execution=4), 6 steps per epoch (the second call of each epoch runs 2): kparallax runs N

@@ -40,6 +40,9 @@ EXPRESSIONS = {
     "entries joined back into rows": (lambda x, ids, w: tf.reshape(tf.reshape(x, [-1, 1]) * 2.0, [-1, 3]), 0),
     "entries split by a shape read": (lambda x, ids, w: tf.reshape(x[:, None] + w, [-1, tf.shape(w)[-1]]), 0),
     "two rows joined into one entry": (lambda x, ids, w: tf.reshape(x, [-1, 6]), UNKNOWN),
+    "rows of distinct ids, repeated": (lambda x, ids, w: tf.gather(tf.gather(w, tf.unique(ids)[0]), tf.unique(ids)[1]),
+                                       0),
+    "a set of distinct ids": (lambda x, ids, w: tf.unique(ids)[0], None),
     "tiled columns": (lambda x, ids, w: tf.tile(x, [1, 2]), 0),
     "tiled rows": (lambda x, ids, w: tf.tile(x, [2, 1]), UNKNOWN),
     "columns split": (lambda x, ids, w: tf.split(x, 3, axis=1)[2], 0),
@@ -98,6 +101,30 @@ def test_a_reshape_splitting_rows_into_entries_counts_them_and_joining_them_back
             axes.follow(graph.get_operations()[first:])
         assert [axes.axis(t) for t in (flat, losses, back)] == [0, 0, 0], rows
         assert [axes.entries(t) for t in (flat, losses, back)] == [7, 7, 1], rows
+
+
+def test_a_lookup_of_distinct_rows_repeated_keeps_the_rows_of_its_ids():
+    # cached_reads.gather_policy: the ids made distinct, their rows gathered and repeated, reshaped to the ids' shape;
+    # sequences of a length unknown while tracing are gathered as they are (their rows could not be followed).
+    from kparallax.step import cached_reads  # pylint: disable=import-outside-toplevel
+    table = tf.Variable(tf.zeros([10, 4]))
+    for shape in ([None, None], [None, 5], [3, 5]):
+        seen = {}
+
+        @tf.function(input_signature=[tf.TensorSpec(shape, tf.int32)])
+        def step(ids):
+            graph = tf.compat.v1.get_default_graph()
+            first = len(graph.get_operations())
+            with tf.GradientTape():
+                rows = cached_reads.gather_policy(table, ids, table.sparse_read)
+            axes = row_axes.RowAxes((ids,))
+            axes.follow(graph.get_operations()[first:])
+            seen["ops"] = {op.type for op in graph.get_operations()[first:]}
+            seen["rows"] = (axes.axis(rows), axes.entries(rows))
+            return rows
+
+        step.get_concrete_function()
+        assert ("Unique" in seen["ops"]) == (shape[1] is not None) and seen["rows"] == (0, 1), shape
 
 
 # Functions of a statistic of the batch x [B, 3]: the op of the nonlinear meeting each makes and the reduction it

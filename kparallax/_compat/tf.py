@@ -42,20 +42,31 @@ def full_variable_name(name):
 
 
 class SharedResourceVariable(_rv.BaseResourceVariable):
-    """A resource variable on a PS device whose dense reads can be redirected (``read_policy``).
+    """A resource variable on a PS device whose dense reads and row gathers can be redirected (``read_policy``,
+    ``gather_policy``).
 
     ``read_policy(variable, read)``: called instead of ``_read_variable_op`` (the private method every dense read,
     ``value()``, ``read_value()`` and tensor conversion of a resource variable goes through in TF 2.15); ``read()``
     performs the normal read. None: normal reads.
+    ``gather_policy(variable, ids, gather)``: called instead of ``sparse_read`` (what ``tf.gather`` and
+    ``tf.nn.embedding_lookup`` of a resource variable call); ``gather(ids)`` performs the normal gather. None:
+    normal gathers.
     """
 
     read_policy = None
+    gather_policy = None
 
     def _read_variable_op(self, no_copy=False):
         policy = self.read_policy
         if policy is None:
             return super()._read_variable_op(no_copy)
         return policy(self, lambda: super(SharedResourceVariable, self)._read_variable_op(no_copy))
+
+    def sparse_read(self, indices, name=None):
+        policy = self.gather_policy
+        if policy is None:
+            return super().sparse_read(indices, name)
+        return policy(self, indices, lambda ids: super(SharedResourceVariable, self).sparse_read(ids, name))
 
 
 def shared_variable(shared_name, container, shape, dtype, device, trainable, constraint=None, name=None):
@@ -133,6 +144,32 @@ def outermost_function_graph():
     while isinstance(getattr(graph, "outer_graph", None), _func_graph.FuncGraph):
         graph = graph.outer_graph
     return graph
+
+
+def uncolocated():
+    """Context in which new ops are not colocated with an op by an enclosing ``colocate_with`` (private
+    ``ops.colocate_with(None, ignore_existing=True)``: ``tf.nn.embedding_lookup`` colocates its gather, and all it
+    builds, with the table)."""
+    return _ops.colocate_with(None, ignore_existing=True)
+
+
+def not_recording():
+    """Context in which no gradient tape records (private ``record.stop_recording``)."""
+    return _record.stop_recording()
+
+
+def record_gather(variable, ids, output):
+    """Records ``output`` on the active tapes as the gather of ``variable``'s rows at ``ids`` (private
+    ``record.record_operation``), with the gradient TensorFlow gives that gather (``ResourceGather``'s: one slice per
+    id, repeats included, of the table's shape), however ``output`` was computed."""
+    shape = tf.constant(variable.shape.as_list(), tf.int32)
+
+    def backward(upstream):
+        size = tf.size(ids)[None]
+        values = tf.reshape(upstream, tf.concat([size, shape[1:]], 0))
+        return [tf.IndexedSlices(values, tf.reshape(ids, size), shape), None]
+
+    _record.record_operation("ResourceGather", [output], [variable.handle, ids], backward)
 
 
 def tape_may_record():

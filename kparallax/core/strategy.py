@@ -268,6 +268,7 @@ class HybridStrategy:
             variable = self._registry.create(path, shape, dtype, initial_value, decision.ps_task,
                                              trainable=trainable, constraint=constraint)
             variable.read_policy = cached_reads.policy
+            variable.gather_policy = cached_reads.gather_policy
             logging.info("placement: %s %s -> ps[%d] %s (%s)", path, shape.as_list(), decision.ps_task,
                          self._cluster.ps[decision.ps_task], decision.why)
             return variable
@@ -293,6 +294,7 @@ class HybridStrategy:
             shards.append(self._registry.create(shard_path, [count] + row_shape, table.dtype, initial, task,
                                                 trainable=trainable, constraint=constraint, table=table, shard=i))
             shards[-1].read_policy = cached_reads.policy
+            shards[-1].gather_policy = cached_reads.gather_policy
         table.shards, table.sharded = shards, tables.make_sharded(table.path, shards)
 
     def repartition(self, table, partitions, model):

@@ -1,4 +1,5 @@
-"""One read per step of each dense PS variable (what TensorFlow 1's caching devices did).
+"""What a training step reads from PS variables: one read per step of each dense one (what TensorFlow 1's caching
+devices did), and each gathered row once per gather (``gather_policy``).
 
 Keras' RNN layers read their kernels inside the loop over time steps: an LSTM kernel on a PS is fetched once per
 time step (20 reads per step for lm1b). ``policy`` is the ``read_policy`` of dense PS variables: while a train step
@@ -9,6 +10,8 @@ eager reads) reads are left alone, so an update is never read back stale.
 """
 
 import weakref
+
+import tensorflow as tf
 
 from kparallax._compat import tf as tf_compat
 
@@ -27,3 +30,27 @@ def policy(variable, read):
             cache[key] = read()
     tf_compat.mark_accessed(variable)
     return cache[key]
+
+
+def gather_policy(variable, ids, gather):
+    """``gather_policy`` of a PS variable (see ``_compat.tf.SharedResourceVariable``): while a train step is traced
+    and a tape may record, a gather of rows by ``ids`` (an embedding lookup) fetches each distinct id's row once and
+    repeats it on the worker. A batch of text repeats its frequent words: LM1B's lookups name each of them once per
+    occurrence. The tapes see the gather TensorFlow would make, with its gradient (one slice per id, repeats
+    included: the norm a ``clipnorm`` takes, the values a ``clipvalue`` clips, are one process's). Elsewhere (the
+    update, evaluation) gathers are left alone."""
+    if tf_compat.outermost_function_graph() is None or not tf_compat.tape_may_record():
+        return gather(ids)
+    ids = tf.convert_to_tensor(ids)
+    if ids.shape.rank is None or not ids.shape[1:].is_fully_defined() or not variable.shape[1:].is_fully_defined():
+        return gather(ids)  # (``row_axes`` follows the batch's rows through the repeat by these static sizes)
+    with tf_compat.not_recording():
+        with tf_compat.uncolocated():  # on the worker, not with the table (``tf.nn.embedding_lookup`` colocates)
+            distinct, position = tf.unique(tf.reshape(ids, [-1]))
+        rows = gather(distinct)
+        with tf_compat.uncolocated():
+            repeated = tf.reshape(tf.gather(rows, position),
+                                  tf.concat([tf.shape(ids), variable.shape[1:].as_list()], 0))
+    tf_compat.mark_accessed(variable)
+    tf_compat.record_gather(variable, ids, repeated)
+    return repeated

@@ -119,6 +119,7 @@ class SyncPs:
         tokens, keep, sent = [], [], []
         self._rates = {}  # the learning rates read in this step (``_update_if_last``)
         self._step_count = self._read_step_count()  # and the optimizer's step count (``_apply``)
+        self._copies = {}  # the worker's tensors an update reads, one copy per PS task (``_on_ps``)
         sparse = [(self._clip.slices(g), v) for g, v in sparse]
         factors, sums = self._clip.sparse_norm_factors(sparse)
         keep += sums
@@ -179,6 +180,7 @@ class SyncPs:
         for variable, pushes in counted:
             scale = factor if overall else factors.get(self._group(variable))
             with tf.device(variable.device):
+                scale = self._on_ps(scale, variable)
                 tokens.append(self._update_if_last(
                     variable, pushes, lambda clone, v=variable, f=scale: self._apply_rows(v, clone, f)))
         tokens += dense_tokens
@@ -232,8 +234,24 @@ class SyncPs:
             done = self._helper(variable, UPDATES).read_value()  # this step's update cannot have run yet
         last = tf.equal(pushes, (done + 1) * self._pushers)
         clone = self._clones.get(variable)
-        with keras_compat.learning_rate_value(clone, self._rate(clone)):
+        self._on_ps(self._step_count, variable)  # the copy ``_apply`` reads inside the branch
+        with keras_compat.learning_rate_value(clone, self._on_ps(self._rate(clone), variable)):
             return tf.cond(last, lambda: apply(clone), lambda: tf.identity(pushes))
+
+    def _on_ps(self, value, variable):
+        """``value`` (a tensor of the worker's the update reads: the learning rate, the step count, a clipping
+        factor), copied once per step onto ``variable``'s PS task; None stays None. Read from the worker inside the
+        update's branch, each would cross per variable, and only after the branch's predicate had crossed from the
+        PS to the worker and back (a lowered ``tf.cond`` gates its inputs where they are): a round trip on the
+        update's path."""
+        if value is None:
+            return None
+        key = (value.ref(), tf.DeviceSpec.from_string(variable.device).replace(device_type=None,
+                                                                             device_index=None).to_string())
+        if key not in self._copies:
+            with tf.device(variable.device):
+                self._copies[key] = tf.identity(value)
+        return self._copies[key]
 
     def _rate(self, clone):
         """This step's read of the learning rate ``clone`` shares with the user's optimizer, or None (not shared).
@@ -255,7 +273,7 @@ class SyncPs:
         but updates nothing, so no clone applied one. The count lives on the worker and is read once per step,
         before this step's increment, and crosses with the update as the learning rate does."""
         if self._step_count is not None:
-            clone.iterations.assign(self._step_count)
+            clone.iterations.assign(self._on_ps(self._step_count, variable))
         clone.apply_gradients([(grad, variable)])
 
     def _read_step_count(self):

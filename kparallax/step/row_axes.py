@@ -195,6 +195,8 @@ class RowAxes:
         if kind in _BATCH_FIRST:
             rows = axes[0] == 0 and all(a is None for a in axes[1:])
             return [0 if rows else UNKNOWN] + [UNKNOWN] * (len(op.outputs) - 1)
+        if kind == "Unique":  # (y, idx): the distinct values, a set with no rows; where each value of x is in y
+            return [None, axes[0] if isinstance(axes[0], int) else UNKNOWN]
         if kind in ("SoftmaxCrossEntropyWithLogits", "SparseSoftmaxCrossEntropyWithLogits"):
             return [0 if axes[0] == 0 and axes[1] in (0, None) else UNKNOWN] * 2
         return [UNKNOWN] * len(op.outputs)
