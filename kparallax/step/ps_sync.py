@@ -118,7 +118,7 @@ class SyncPs:
         dense = [(g, v) for g, v in grads_and_vars if not isinstance(g, tf.IndexedSlices)]
         tokens, keep, sent = [], [], []
         self._rates = {}  # the learning rates read in this step (``_update_if_last``)
-        self._step_count = self._read_step_count()  # and the optimizer's step count (``_apply``)
+        self._step_count = self._read_step_count()  # and the optimizer's step count (``_apply``, through ``_on_ps``)
         self._copies = {}  # the worker's tensors an update reads, one copy per PS task (``_on_ps``)
         sparse = [(self._clip.slices(g), v) for g, v in sparse]
         factors, sums = self._clip.sparse_norm_factors(sparse)
@@ -157,7 +157,7 @@ class SyncPs:
                 with tf.control_dependencies([_op(added)]):
                     pushes = count(self._helper(variable, PUSHES))
                 dense_tokens.append(pushes if by_barrier or k >= len(dense) else self._update_if_last(
-                    variable, pushes, lambda clone, v=variable: self._apply_summed(v, clone)))
+                    variable, pushes, lambda clone, step, v=variable: self._apply_summed(v, clone, step)))
             sent.append(nbytes([grad]))
         sent_bytes = tf.add_n(sent) if sent else tf.constant(0, tf.int64)
         through_barrier = bool(replayed) or (dense and by_barrier)
@@ -182,7 +182,7 @@ class SyncPs:
             with tf.device(variable.device):
                 scale = self._on_ps(scale, variable)
                 tokens.append(self._update_if_last(
-                    variable, pushes, lambda clone, v=variable, f=scale: self._apply_rows(v, clone, f)))
+                    variable, pushes, lambda clone, step, v=variable, f=scale: self._apply_rows(v, clone, step, f)))
         tokens += dense_tokens
         if not through_barrier:
             return PsStep(tokens, keep, sent_bytes, factor)
@@ -228,15 +228,16 @@ class SyncPs:
 
     def _update_if_last(self, variable, pushes, apply):
         """On ``variable``'s PS task: if ``pushes`` (this push's count) completes the step's pushes, the update
-        (``apply(clone)``: ``_apply_rows`` or ``_apply_summed``) and its token, else ``pushes``. Every push counted
-        before this one has landed, since each push counts after its rows (and ids) are written."""
+        (``apply(clone, step)``: ``_apply_rows`` or ``_apply_summed``, ``step`` the step count's copy on that task)
+        and its token, else ``pushes``. Every push counted before this one has landed, since each push counts after
+        its rows (and ids) are written."""
         with tf.control_dependencies([pushes]):
             done = self._helper(variable, UPDATES).read_value()  # this step's update cannot have run yet
         last = tf.equal(pushes, (done + 1) * self._pushers)
         clone = self._clones.get(variable)
-        self._on_ps(self._step_count, variable)  # the copy ``_apply`` reads inside the branch
+        step = self._on_ps(self._step_count, variable)
         with keras_compat.learning_rate_value(clone, self._on_ps(self._rate(clone), variable)):
-            return tf.cond(last, lambda: apply(clone), lambda: tf.identity(pushes))
+            return tf.cond(last, lambda: apply(clone, step), lambda: tf.identity(pushes))
 
     def _on_ps(self, value, variable):
         """``value`` (a tensor of the worker's the update reads: the learning rate, the step count, a clipping
@@ -266,14 +267,15 @@ class SyncPs:
                 self._rates[rate.ref()] = rate.read_value()
         return self._rates[rate.ref()]
 
-    def _apply(self, clone, grad, variable):
+    def _apply(self, clone, grad, variable, step):
         """``clone`` applies ``grad`` to ``variable`` at the step of the optimizer Keras trains with: the clone's
-        own step count (Adam's bias correction, a schedule's step) is set to that optimizer's first. They differ
-        after a step Keras' ``LossScaleOptimizer`` skipped (an overflow under mixed precision): it counts the step
-        but updates nothing, so no clone applied one. The count lives on the worker and is read once per step,
-        before this step's increment, and crosses with the update as the learning rate does."""
-        if self._step_count is not None:
-            clone.iterations.assign(self._on_ps(self._step_count, variable))
+        own step count (Adam's bias correction, a schedule's step) is set to ``step``, that optimizer's, first. They
+        differ after a step Keras' ``LossScaleOptimizer`` skipped (an overflow under mixed precision): it counts the
+        step but updates nothing, so no clone applied one. The count lives on the worker and is read once per step,
+        before this step's increment; ``step`` is its copy on ``variable``'s PS task (``_on_ps``), None without an
+        optimizer to follow."""
+        if step is not None:
+            clone.iterations.assign(step)
         clone.apply_gradients([(grad, variable)])
 
     def _read_step_count(self):
@@ -286,7 +288,7 @@ class SyncPs:
         with tf.device(counter.device):
             return counter.read_value()
 
-    def _apply_rows(self, variable, clone, factor=None):
+    def _apply_rows(self, variable, clone, step, factor=None):
         """The step's one update of ``variable`` by ``clone`` from the accumulated rows of its touched ids; its
         token."""
         accumulator, touched = self._helper(variable, ACCUMULATOR), self._helper(variable, TOUCHED)
@@ -295,7 +297,7 @@ class SyncPs:
         if factor is not None:
             rows = clipping_lib.scaled(rows, factor)
         grad = tf.IndexedSlices(rows, ids, dense_shape=tf.constant(variable.shape.as_list(), tf.int64))
-        self._apply(clone, grad, variable)
+        self._apply(clone, grad, variable, step)
         # Automatic control dependencies order these reads and writes after the update of the same variables.
         check = tf.reduce_sum(variable.sparse_read(ids[:1]))
         zeroed = accumulator.scatter_update(tf.IndexedSlices(tf.zeros_like(rows), ids))
@@ -317,20 +319,21 @@ class SyncPs:
                     grad = accumulator.read_value()
             return self._scaled(grad)
 
-    def _apply_summed(self, variable, clone):
+    def _apply_summed(self, variable, clone, step):
         """The step's one update of ``variable`` by ``clone`` from its summed dense gradient (no ``clipnorm``)."""
         grad = self._clip.dense(self._scaled(self._helper(variable, ACCUMULATOR).read_value()))
-        return self._apply_dense(variable, clone, grad)
+        return self._apply_dense(variable, clone, grad, step)
 
     def _apply_whole(self, variable, grad, factor=None):
         with tf.device(variable.device):
             if factor is not None:
                 grad = clipping_lib.scaled(grad, factor)
-            return self._apply_dense(variable, self._clones.get(variable), grad)
+            return self._apply_dense(variable, self._clones.get(variable), grad,
+                                     self._on_ps(self._step_count, variable))
 
-    def _apply_dense(self, variable, clone, grad):
-        """Applies the aggregated ``grad`` with ``clone``, zeroes the accumulator; the update's token."""
-        self._apply(clone, grad, variable)
+    def _apply_dense(self, variable, clone, grad, step):
+        """Applies the aggregated ``grad`` with ``clone`` at ``step``, zeroes the accumulator; the update's token."""
+        self._apply(clone, grad, variable, step)
         check = tf.reduce_sum(tf.reshape(variable.read_value(), [-1])[:1])
         zeroed = self._helper(variable, ACCUMULATOR).assign(tf.zeros_like(grad))
         return self._finish(variable, check, zeroed)
