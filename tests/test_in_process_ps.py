@@ -278,6 +278,31 @@ def test_a_step_fetches_each_distinct_row_once_and_its_update_reads_nothing_from
         assert not [x.op.name for x in op.inputs if "/job:worker/" in x.op.device], op.name
 
 
+def _two_tables(name):
+    ids = tf.keras.Input((LEN,), dtype=tf.int32)
+    both = tf.keras.layers.Add()([tf.keras.layers.Embedding(VOCAB, EMB, name=f"{name}_{k}")(ids) for k in "ab"])
+    return tf.keras.Model(ids, tf.keras.layers.Dense(1, name=f"{name}_out")(tf.keras.layers.Flatten()(both)),
+                          name=name)
+
+
+def test_the_step_waits_for_the_updates_of_a_ps_task_through_one_tensor(strategy):
+    """Two tables on the one PS task: the step's end (``kp_step_done``) waits for both updates' tokens, combined on
+    the PS task, so one tensor crosses from it (a message per crossing), not one per table. Training equals plain
+    Keras."""
+    plain = _two_tables("plain_two")
+    expected_loss = _train(plain, tf.keras.optimizers.Adagrad(0.2))
+    with strategy.scope():
+        model = _two_tables("fast_two")
+        loss = _train(model, tf.keras.optimizers.Adagrad(0.2))
+    assert all(strategy.is_ps_variable(model.get_layer(f"fast_two_{k}").embeddings) for k in "ab")
+    for got, want in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+    crossing = {x.op.name for op, _ in _traced_ops(model) if "kp_step_done" in op.name and "/job:ps/" not in op.device
+                for x in op.inputs if "/job:ps/" in x.op.device}  # (the worker's ops have no device set here)
+    assert len(crossing) == 1, crossing
+
+
 @pytest.mark.parametrize("architecture", ["ps", "hybrid"])
 def test_steps_per_execution_trains_like_plain_keras(strategy, architecture):
     """compile(steps_per_execution=4), 6 steps per epoch (the second call of each epoch runs 2): kparallax runs N

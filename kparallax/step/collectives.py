@@ -21,10 +21,32 @@ _COMPRESSION = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
 
 
 def ready(tokens):
-    """int64 scalar 1 that exists only once every token does (``tokens``: int64 scalars >= 1)."""
+    """int64 scalar 1 that exists only once every token does (``tokens``: int64 scalars >= 1). Tokens made on one
+    task (a PS task's updates of its variables and shards) are combined there first: they cross to the device
+    reading them as one tensor, one message per task instead of one per token."""
     if not tokens:
         return tf.constant(1, tf.int64)
+    combined = []
+    for group in _by_task(tokens):
+        if len(group) > 1 and group[0].device:
+            with tf.device(group[0].device):
+                group = [_at_least_one(group)]
+        combined += group
+    return _at_least_one(combined)
+
+
+def _at_least_one(tokens):
+    """1 once every one of ``tokens`` (int64 scalars >= 1) exists."""
     return tf.minimum(tf.add_n([tf.cast(t, tf.int64) for t in tokens]), 1)
+
+
+def _by_task(tokens):
+    """``tokens`` grouped by the task they are made on (tokens without a device are one group), in order."""
+    groups = {}
+    for token in tokens:
+        spec = tf.DeviceSpec.from_string(token.device or "")
+        groups.setdefault((spec.job, spec.replica, spec.task), []).append(token)
+    return list(groups.values())
 
 
 def tie(tensor, tokens):
