@@ -44,9 +44,14 @@ def _by_task(tokens):
     """``tokens`` grouped by the task they are made on (tokens without a device are one group), in order."""
     groups = {}
     for token in tokens:
-        spec = tf.DeviceSpec.from_string(token.device or "")
-        groups.setdefault((spec.job, spec.replica, spec.task), []).append(token)
+        groups.setdefault(task_of(token.device), []).append(token)
     return list(groups.values())
+
+
+def task_of(device):
+    """The task part of ``device`` (a device string, e.g. ``/job:ps/replica:0/task:1/device:CPU:0`` ->
+    ``/job:ps/replica:0/task:1``); "" for ""."""
+    return tf.DeviceSpec.from_string(device or "").replace(device_type=None, device_index=None).to_string()
 
 
 def tie(tensor, tokens):

@@ -247,8 +247,7 @@ class SyncPs:
         update's path."""
         if value is None:
             return None
-        key = (value.ref(), tf.DeviceSpec.from_string(variable.device).replace(device_type=None,
-                                                                             device_index=None).to_string())
+        key = (value.ref(), collectives.task_of(variable.device))
         if key not in self._copies:
             with tf.device(variable.device):
                 self._copies[key] = tf.identity(value)
