@@ -59,6 +59,7 @@ LEFT = {  # sums, means and scalings of statistics, per-row values, and what gat
     "root_of_a_maximum": lambda t, p: tf.sqrt(tf.reduce_max(tf.square(p - t))),
     "softmax_over_the_batch": lambda t, p: tf.reduce_mean(tf.nn.softmax(p - t, axis=0)),
     "cumulative": lambda t, p: tf.sqrt(tf.reduce_sum(tf.cumsum(tf.square(p - t), axis=0))),
+    "gram_matrix": lambda t, p: tf.reduce_sum(tf.square(tf.matmul(p - t, p - t, transpose_a=True))),  # rows_meet's
 }
 
 

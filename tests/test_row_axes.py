@@ -16,9 +16,11 @@ EXPRESSIONS = {
     "element-wise with a weight": (lambda x, ids, w: tf.nn.relu(x * w[0] + 1.0), 0),
     "a dense layer": (lambda x, ids, w: x @ w, 0),
     "the rows on the other side": (lambda x, ids, w: tf.matmul(w, x, transpose_b=True), 1),
-    "a product over the rows": (lambda x, ids, w: tf.matmul(x, x, transpose_a=True), UNKNOWN),
+    "a product over the rows": (lambda x, ids, w: tf.matmul(x, x, transpose_a=True), STATISTIC),
+    "a product over the rows of a transpose": (lambda x, ids, w: tf.transpose(x) @ (x * 2.0), STATISTIC),
+    "column sums by a product": (lambda x, ids, w: tf.matmul(tf.ones_like(x[:, :1]), x, transpose_a=True), STATISTIC),
     "an einsum keeping them": (lambda x, ids, w: tf.einsum("bi,ij->jb", x, w), 1),
-    "an einsum summing them": (lambda x, ids, w: tf.einsum("bi,bj->ij", x, x), UNKNOWN),
+    "an einsum summing them": (lambda x, ids, w: tf.einsum("bi,bj->ij", x, x), STATISTIC),
     "a sum per row": (lambda x, ids, w: tf.reduce_sum(x, axis=1), 0),
     "a sum per row, kept": (lambda x, ids, w: tf.reduce_sum(x, axis=-1, keepdims=True), 0),
     "a sum of everything": (lambda x, ids, w: tf.reduce_sum(x), STATISTIC),
@@ -138,6 +140,17 @@ FUNCTIONS = {
     "a maximum": (lambda x, w: tf.maximum(tf.reduce_mean(x), 1.0), ("Maximum", "Mean")),
     "a softmax of column means": (lambda x, w: tf.nn.softmax(tf.reduce_mean(x, axis=0)), ("Softmax", "Mean")),
     "the largest column mean": (lambda x, w: tf.reduce_max(tf.reduce_mean(x, axis=0)), ("Max", "Mean")),
+    "a Gram matrix's distance from a weight": (
+        lambda x, w: tf.reduce_sum(tf.square(tf.matmul(x, x, transpose_a=True) / 4.0 - w)), ("Square", "MatMul")),
+    "a root of an einsum's Gram matrix": (lambda x, w: tf.sqrt(tf.reduce_sum(tf.einsum("bi,bj->ij", x, x))),
+                                          ("Sqrt", "einsum/Einsum")),
+    "a product of two statistics": (lambda x, w: tf.matmul(tf.reduce_mean(x, axis=0, keepdims=True),
+                                                           tf.reduce_mean(x, axis=0, keepdims=True), transpose_b=True),
+                                    ("MatMul", "Mean")),
+    "a choice by a comparison of one": (lambda x, w: tf.where(tf.reduce_mean(x) > 0.0, tf.reduce_sum(x), 1.0),
+                                        ("SelectV2", "Mean")),
+    "a choice by a weight": (lambda x, w: tf.where(w[0, 0] > 0.0, tf.reduce_sum(x), 2.0 * tf.reduce_mean(x)), None),
+    "a Gram matrix scaled": (lambda x, w: tf.reduce_sum(tf.matmul(x, x, transpose_a=True) * w), None),
     "sums and scalings": (lambda x, w: tf.add_n([tf.reduce_mean(x) * 2.0, tf.reduce_sum(w), -tf.reduce_sum(x) / 4.0]),
                           None),
     "divided by a count": (lambda x, w: tf.reduce_sum(x) / tf.cast(tf.shape(x)[0], tf.float32), None),
@@ -163,3 +176,32 @@ def test_nonlinear_functions_of_a_statistic_are_meetings_and_sums_are_not():
             got = [(m.op.name, m.source.name) for m in axes.meetings]
             assert all(m.kind == "nonlinear" and m.rows[0][0].shape.rank == 2 for m in axes.meetings), (rows, name)
             assert (got[0] if got else None) == expected, (rows, name, got)
+
+
+def test_a_weight_s_gradient_is_not_a_statistic_of_the_batch():
+    # The backward pass sums each weight's gradient over the rows (x^T @ upstream); a product over the rows in the
+    # forward pass is a statistic (a Gram matrix), in a tape's gradient it is left unknown: a clip of the gradients
+    # by their norm is not a function of a statistic of the batch the loss is computed from.
+    kernel = tf.Variable(tf.ones([3, 2]))
+    seen = {}
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float32)])
+    def step(x):
+        graph = tf.compat.v1.get_default_graph()
+        first = len(graph.get_operations())
+        with tf.GradientTape() as tape:
+            gram = tf.matmul(x, x, transpose_a=True)
+            loss = tf.reduce_mean(tf.square(x @ kernel)) + tf.reduce_sum(gram)
+        grad = tape.gradient(loss, kernel)
+        clipped = tf.clip_by_global_norm([grad], 1.0)[0][0]
+        axes = row_axes.RowAxes((x,))
+        axes.follow(graph.get_operations()[first:])
+        products = [op for op in graph.get_operations()[first:] if op.type == "MatMul"]
+        seen["products"] = [(row_axes.BACKWARD in f"/{op.name}", axes.axis(op.outputs[0])) for op in products]
+        seen["axes"] = [axes.axis(t) for t in (gram, grad, clipped)]
+        seen["meetings"] = [m.op.name for m in axes.meetings]
+        return clipped
+
+    step.get_concrete_function()
+    assert seen["axes"] == [STATISTIC, UNKNOWN, UNKNOWN] and not seen["meetings"], seen
+    assert (True, UNKNOWN) in seen["products"] and (False, STATISTIC) in seen["products"], seen

@@ -15,8 +15,8 @@ sends every worker's part of their gradient back to the rows they came from: the
 process's (``rows.all_gather`` weights by the batch shares when batches differ in size). It costs two small
 gathers per such statistic (a scalar, or one value per column) per step. A function that only sums, averages or
 scales its statistics is left as it is (the step's averaging is one process's there). One that reduces the rows
-otherwise (a maximum, a log-sum-exp) or whose rows meet otherwise (a softmax over the batch, pairwise differences)
-is not replaced: ``rows_meet`` refuses it at the first step.
+otherwise (a maximum, a log-sum-exp, a product over them: a Gram matrix) or whose rows meet otherwise (a softmax
+over the batch, pairwise differences) is not replaced: ``rows_meet`` refuses it at the first step.
 """
 
 import contextlib

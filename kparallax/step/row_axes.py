@@ -4,8 +4,9 @@
 order they were made, and gives each output one of:
 - ``None``: no rows of the batch (a weight, a constant, a shape);
 - an ``int`` k: the batch's rows on axis k, each row computed from that row alone;
-- ``STATISTIC``: a reduction over the rows (a per-column mean, the batch's maximum, a loss's mean), and what is
-  computed from it and values without rows;
+- ``STATISTIC``: a reduction over the rows (a per-column mean, the batch's maximum, a loss's mean; a product
+  summing over them, ``a^T @ b``, a Gram matrix of the batch, in the forward pass), and what is computed from it and
+  values without rows;
 - ``UNKNOWN``: anything else the batch reaches (an op not followed here, a function call, a loop, a collective,
   several rows' values joined into one entry by a reshape). Nothing is refused from it.
 
@@ -22,7 +23,8 @@ batch and each worker over its own part (``meetings``):
   ``a[:, None] - b[None, :]``);
 - ``cumulative``: a cumulative sum or product along the rows;
 - ``nonlinear``: a statistic taken through a function other than a sum, a difference or a scaling by values without
-  rows (the root of a mean squared error, a log of the batch's mean activation, a quotient of two statistics): one
+  rows (the root of a mean squared error, a log of the batch's mean activation, a quotient or a matrix product of
+  two statistics, a value chosen by a comparison of one, ``tf.where(tf.reduce_mean(x) > 0, a, b)``): one
   process takes it of the global batch's statistic, each worker of its own. ``rows_meet`` refuses it only on the
   way to a loss a tape differentiates: a logged root of a mean changes no weight.
 A loss's mean is a statistic too; it meets no rows. Keras' masked mean loss does (the mask times its size over its
@@ -41,6 +43,7 @@ import tensorflow as tf
 
 STATISTIC = "statistic"
 UNKNOWN = "unknown"
+BACKWARD = "/gradient_tape/"  # the name scope of a tape's gradient ops
 
 _UNARY = {
     "Identity", "Snapshot", "StopGradient", "PreventGradient", "Cast", "Neg", "Abs", "Square", "Sqrt", "Rsqrt", "Exp",
@@ -72,8 +75,9 @@ _NONLINEAR = (_UNARY - {"Identity", "Snapshot", "StopGradient", "PreventGradient
                         "Sign", "IsNan", "IsInf", "IsFinite", "LogicalNot"}
               | {"Maximum", "Minimum", "Pow", "SquaredDifference", "Xdivy", "Xlogy", "Atan2", "ClipByValue", "Max",
                  "Min", "Prod", "EuclideanNorm"} | _SOFTMAX)
-_PRODUCT_LIKE = {"Mul", "MulNoNan"}  # nonlinear when two statistics multiply
+_PRODUCT_LIKE = {"Mul", "MulNoNan", "Einsum"} | PRODUCTS  # nonlinear when two statistics multiply
 _QUOTIENTS = {"RealDiv", "Div", "DivNoNan"}  # nonlinear when a statistic divides
+_SELECTS = {"Select", "SelectV2"}  # nonlinear when a statistic chooses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,9 +193,9 @@ class RowAxes:
         if kind in _SHAPES:
             return _SHAPES[kind](op, axes)
         if kind in PRODUCTS:
-            return [_product(op, axes)]
+            return [self._product(op, axes)]
         if kind == "Einsum":
-            return [_einsum(op, axes)]
+            return [self._einsum(op, axes)]
         if kind in _BATCH_FIRST:
             rows = axes[0] == 0 and all(a is None for a in axes[1:])
             return [0 if rows else UNKNOWN] + [UNKNOWN] * (len(op.outputs) - 1)
@@ -277,6 +281,68 @@ class RowAxes:
             return UNKNOWN
         return axis
 
+    def _summed(self, op, held):
+        """Records product ``op`` as a reduction of the rows ``held`` (tensor, axis) it sums over: ``STATISTIC``."""
+        self._sources[op.outputs[0].ref()] = (op, *held)
+        self.reductions.append(op)
+        return STATISTIC
+
+    def _product(self, op, axes):
+        """A matrix product's output: the rows of one side that are not summed over (a statistic on the other side
+        meets them); ``STATISTIC`` when the rows are summed over on each side that has them (``a^T @ b``, a Gram
+        matrix over the batch) in the forward pass (in the backward pass that is a weight's gradient: ``UNKNOWN``);
+        ``UNKNOWN`` when both sides keep their rows (``rows_meet`` checks ``a @ b^T``)."""
+        a, b = op.inputs
+        if a.shape.rank is None or b.shape.rank is None or UNKNOWN in axes:
+            return UNKNOWN
+        flip_a, flip_b = flips(op)
+        rank = max(a.shape.rank, b.shape.rank)
+        summed = (a.shape.rank - (2 if flip_a else 1), b.shape.rank - (1 if flip_b else 2))  # each side's axis
+        rows = [(side, axis) for side, axis in enumerate(axes) if isinstance(axis, int)]
+        statistics = [x for x, axis in zip(op.inputs, axes) if axis == STATISTIC]
+        if not rows:
+            return STATISTIC
+        if all(axis == summed[side] for side, axis in rows):
+            if statistics or BACKWARD in f"/{op.name}":
+                return UNKNOWN
+            side, axis = rows[0]
+            return self._summed(op, (op.inputs[side], axis))
+        if len(rows) == 2:
+            both_first = axes[0] == 0 and axes[1] == 0 and a.shape.rank == b.shape.rank > 2
+            return 0 if both_first else UNKNOWN
+        (side, axis), = rows
+        side_rank = op.inputs[side].shape.rank
+        if axis < side_rank - 2:  # a batch axis, broadcast
+            kept = axis + rank - side_rank
+        elif axis != summed[side]:
+            kept = rank - 2 + side
+        else:
+            return UNKNOWN  # the rows summed against a statistic
+        self._statistic_meets(op, (op.inputs[side], axis), statistics)
+        return kept
+
+    def _einsum(self, op, axes):
+        """An einsum's output: the rows' label's place in it, when one label holds the rows of every side that has
+        them (a statistic on another side meets them); ``STATISTIC`` when that label is summed over, in the forward
+        pass; ``UNKNOWN`` when the sides' rows have different labels."""
+        sides, output = einsum_sides(op)
+        if "." in "".join(sides) + output or len(sides) != len(op.inputs) or UNKNOWN in axes:
+            return UNKNOWN
+        rows = [(x, side, axis) for x, side, axis in zip(op.inputs, sides, axes) if isinstance(axis, int)]
+        statistics = [x for x, axis in zip(op.inputs, axes) if axis == STATISTIC]
+        labels = {side[axis] for _, side, axis in rows}
+        if not labels:
+            return STATISTIC
+        if len(labels) != 1:
+            return UNKNOWN
+        (label,), (x, _, axis) = labels, rows[0]
+        if label in output:
+            self._statistic_meets(op, (x, axis), statistics)
+            return output.index(label)
+        if statistics or BACKWARD in f"/{op.name}":
+            return UNKNOWN
+        return self._summed(op, (x, axis))
+
 
 def feeding(targets, ops):
     """The names of the graph ``ops`` that the ``targets`` (tensors) are computed from (data edges), the targets'
@@ -294,7 +360,10 @@ def feeding(targets, ops):
 
 def _nonlinear(op, axes):
     """Whether graph op ``op``, of inputs whose rows' axes are ``axes`` and of a statistic as output, takes a
-    statistic through a function other than a sum, a difference or a scaling by values without rows."""
+    statistic through a function other than a sum, a difference or a scaling by values without rows (a choice by a
+    comparison of one, ``tf.where(tf.reduce_mean(x) > 0, ...)``, is: piecewise)."""
+    if op.type in _SELECTS:
+        return axes[0] == STATISTIC
     if op.type in _PRODUCT_LIKE:
         return axes.count(STATISTIC) > 1
     if op.type in _QUOTIENTS:
@@ -487,46 +556,6 @@ _SHAPES = {
     "BroadcastTo": _broadcast_to, "Slice": _slice, "StridedSlice": _strided_slice, "GatherV2": _gather,
     "ResourceGather": _gather, "Split": _split, "SplitV": _split, "Unpack": _split, "OneHot": _one_hot, "Pad": _pad,
     "PadV2": _pad, "MirrorPad": _pad}
-
-
-def _product(op, axes):
-    """A matrix product's output: the rows of one side that are not summed over; ``UNKNOWN`` when the rows are
-    summed over (``a^T @ b``, a weight's gradient) or both sides have them (``rows_meet`` checks ``a @ b^T``)."""
-    a, b = op.inputs
-    if a.shape.rank is None or b.shape.rank is None:
-        return UNKNOWN
-    flip_a, flip_b = flips(op)
-    rank = max(a.shape.rank, b.shape.rank)
-    if axes[0] is not None and axes[1] is not None:
-        both_first = axes[0] == 0 and axes[1] == 0 and a.shape.rank == b.shape.rank > 2
-        return 0 if both_first else UNKNOWN
-    side = 0 if axes[0] is not None else 1  # the side with rows
-    axis, side_rank = axes[side], op.inputs[side].shape.rank
-    if not isinstance(axis, int):
-        return UNKNOWN
-    if axis < side_rank - 2:  # a batch axis, broadcast
-        return axis + rank - side_rank
-    kept = side_rank - (1 if flip_a else 2) if side == 0 else side_rank - (2 if flip_b else 1)  # the one not summed
-    return rank - 2 + side if axis == kept else UNKNOWN
-
-
-def _einsum(op, axes):
-    """An einsum's output: the rows' label's place in it, when one label holds the rows of every side that has
-    them; ``UNKNOWN`` when they are summed over or the sides' rows have different labels."""
-    sides, output = einsum_sides(op)
-    if "." in "".join(sides) + output or len(sides) != len(op.inputs):
-        return UNKNOWN
-    labels = set()
-    for side, axis in zip(sides, axes):
-        if axis is None:
-            continue
-        if not isinstance(axis, int):
-            return UNKNOWN
-        labels.add(side[axis])
-    if len(labels) != 1:
-        return UNKNOWN
-    label, = labels
-    return output.index(label) if label in output else UNKNOWN
 
 
 def flips(op):

@@ -40,7 +40,7 @@ from kparallax._compat import tf as tf_compat
 from kparallax.step import row_axes
 
 _ACTIVE = threading.local()
-_BACKWARD = "/gradient_tape/"  # the name scope of a tape's gradient ops
+_BACKWARD = row_axes.BACKWARD
 _MOST_CHECKS = 16
 
 
@@ -193,6 +193,10 @@ def _message(op, a, b, where):
             "and backward_passes_per_step=1), or score each row against its own candidate only.")
 
 
+_COMPILED = (" a loss function compiled with the model (of its targets and predictions) gets its sums and means "
+             "over every worker from kparallax itself (with backward_passes_per_step=1);")
+
+
 def _meeting_message(meeting, where):
     """A meeting's error (``row_axes``), naming the op, how the rows meet there, and the fix."""
     op, (x, axis) = meeting.op, meeting.rows[0]
@@ -205,16 +209,15 @@ def _meeting_message(meeting, where):
         how = (f"{op.type} broadcasts the rows of {x.shape} (axis {axis}) against those of {other.shape} (axis "
                f"{other_axis}), pairing every row of the batch with every other, as pairwise differences do")
     elif meeting.kind == "nonlinear":
+        compiled = _COMPILED if meeting.source.type in ("Sum", "Mean") else ""  # what batch_statistics makes global
         return (f"A statistic of the batch reaches the loss through {op.name} ({op.type} of {meeting.source.type} "
                 f"over the rows of the batch in {meeting.source.name}: a function of that statistic other than a sum "
-                "or a scaling, as a root mean squared error loss, a log of a mean over the batch or a loss divided "
-                "by a statistic of the batch is): each worker would take it of the statistic of its own rows only, "
-                "and the model would train apart from one process on the global batch. Received: that op in the "
-                f"training step of {where}. "
-                "Take the statistic over every worker: of the rows of kp.all_gather(value) (with sync=True and "
-                "backward_passes_per_step=1); a loss function compiled with the model (of its targets and "
-                "predictions) gets its sums and means over every worker from kparallax itself (with "
-                "backward_passes_per_step=1); or make the loss a mean or sum of per-row values.")
+                "or a scaling, as a root mean squared error loss, a log of a mean over the batch, a loss divided "
+                "by a statistic of the batch or a penalty on a Gram matrix of the batch is): each worker would take "
+                "it of the statistic of its own rows only, and the model would train apart from one process on the "
+                f"global batch. Received: that op in the training step of {where}. Take the statistic over every "
+                "worker: of the rows of kp.all_gather(value) (with sync=True and backward_passes_per_step=1);"
+                f"{compiled} or make the loss a mean or sum of per-row values.")
     else:
         how = f"{op.type} along the rows of the batch, axis {axis} of its input {x.shape}"
     return (f"Rows of the batch meet in {op.name} ({how}): each worker would compute it from its own rows only, "

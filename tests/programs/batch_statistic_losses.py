@@ -2,18 +2,21 @@
 written by hand, and TensorFlow's transformer tutorial's masked loss and accuracy over per-token logits, each a
 compiled loss (and metric) function, and a sparsity penalty on the batch's mean activation added by a layer
 (``add_loss``: the Kullback-Leibler divergence of a target rate from each unit's mean sigmoid activation over the
-batch, as a sparse autoencoder's). One process takes them of the global batch's statistics. kparallax runs the
-compiled functions with the global batch's statistics itself; the layer's penalty takes them of ``kp.all_gather``'s
-rows ("gathered"), or of the worker's own rows, as the reference writes it ("own"), which kparallax refuses.
+batch, as a sparse autoencoder's), and a decorrelation penalty on the batch's Gram matrix of activations added by
+a layer (the squared distance of ``h^T h / rows`` from the identity). One process takes them of the global batch's
+statistics. kparallax runs the compiled functions with the global batch's statistics itself; the layers' penalties
+take them of ``kp.all_gather``'s rows ("gathered"), or of the worker's own rows, as the reference writes them
+("own": the sparsity model first; "own_gram": the Gram matrix's model alone), which kparallax refuses.
 
 Usage: batch_statistic_losses.py OUT_DIR MODE [OPTION]
   MODE=reference: one plain process on the global batch (never imports kparallax).
-  MODE=kparallax: under kparallax-run (2 workers), per-worker batch; OPTION "gathered" (the default) or "own".
-Each model (``rmse``, ``masked_mean``, ``sparsity``: one regression target per row, a third of them 0, padding;
-``tutorial``: a token per step, 30% of them 0, padding) trains on 156 rows with validation_split=0.25 (117 rows: a
-last batch of 21, split 11 and 10) for 3 epochs, a metric compiled too (the root mean squared error; the tutorial's
-masked accuracy); writes OUT_DIR/<model>.npz (weights, then the epochs' logs: loss, metric, val_loss, val_metric)
-from worker 0 (or the process), after the last model trained.
+  MODE=kparallax: under kparallax-run (2 workers), per-worker batch; OPTION "gathered" (the default), "own" or
+    "own_gram".
+Each model (``rmse``, ``masked_mean``, ``sparsity``, ``gram``: one regression target per row, a third of them 0,
+padding; ``tutorial``: a token per step, 30% of them 0, padding) trains on 156 rows with validation_split=0.25 (117
+rows: a last batch of 21, split 11 and 10) for 3 epochs, a metric compiled too (the root mean squared error; the
+tutorial's masked accuracy); writes OUT_DIR/<model>.npz (weights, then the epochs' logs: loss, metric, val_loss,
+val_metric) from worker 0 (or the process), after the last model trained.
 """
 
 import contextlib
@@ -80,6 +83,21 @@ class Sparsity(tf.keras.layers.Layer):
         return x
 
 
+class Decorrelation(tf.keras.layers.Layer):
+    """Adds the squared distance of the batch's Gram matrix of ``x`` (``x^T x`` over its rows, divided by their
+    count) from the identity."""
+
+    def __init__(self, gather, **kwargs):
+        super().__init__(**kwargs)
+        self.gather = gather
+
+    def call(self, x):
+        rows = _rows(self.gather)(x)
+        gram = tf.matmul(rows, rows, transpose_a=True) / tf.cast(tf.shape(rows)[0], x.dtype)
+        self.add_loss(0.05 * tf.reduce_sum(tf.square(gram - tf.eye(x.shape[-1]))))
+        return x
+
+
 def main(out_dir, mode, option="gathered"):
     rng = np.random.default_rng(3)
     ids = np.minimum(rng.zipf(1.4, size=(ROWS, LEN)) - 1, VOCAB - 1).astype(np.int32)
@@ -94,7 +112,9 @@ def main(out_dir, mode, option="gathered"):
         gather = kp.all_gather if option == "gathered" else None
     tokens = np.where(rng.random((ROWS, LEN)) < 0.3, 0, (ids * 7 + 3) % TOKENS).astype(np.int32)  # 0: padding
     results = {}
-    for name, loss in (("rmse", rmse), ("masked_mean", masked_mean), ("sparsity", "mse"), ("tutorial", masked_loss)):
+    models = (("rmse", rmse), ("masked_mean", masked_mean), ("sparsity", "mse"), ("gram", "mse"),
+              ("tutorial", masked_loss))
+    for name, loss in models[3:4] if option == "own_gram" else models:
         with scope():
             layers = [tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB)]
             if name == "tutorial":  # per-token logits [B, LEN, TOKENS]
@@ -102,7 +122,8 @@ def main(out_dir, mode, option="gathered"):
                 targets, metric = tokens, masked_accuracy
             else:
                 layers += [tf.keras.layers.GlobalAveragePooling1D(), tf.keras.layers.Dense(3)]
-                layers += [Sparsity(gather)] if name == "sparsity" else []
+                penalties = {"sparsity": Sparsity, "gram": Decorrelation}
+                layers += [penalties[name](gather)] if name in penalties else []
                 model, targets, metric = tf.keras.Sequential(layers + [tf.keras.layers.Dense(1)]), y, rmse
             init = np.random.default_rng(21)
             model.set_weights([init.normal(scale=0.5, size=w.shape).astype(np.float32) for w in model.get_weights()])
