@@ -258,10 +258,11 @@ def test_a_batch_statistic_off_the_loss_or_only_summed_in_it_runs():
 def test_losses_of_batch_statistics_match_one_plain_process(tmp_path):
     # A root mean squared error, a mean over a mask written by hand and TensorFlow's transformer tutorial's masked
     # loss over per-token logits, compiled as the loss (kparallax takes their sums and means over every worker), and
-    # a layer's sparsity penalty on the batch's mean activation taken of kp.all_gather's rows, on a last batch of 21
-    # rows split 11 and 10; the root mean squared error and the tutorial's masked accuracy compiled as metrics too.
-    # Before: 2.1e-3, 1.5e-3, 1.4e-3 and 7.5e-5 off one process's weights after 3 epochs, the metrics' logs up to
-    # 1.9e-3 off, silently.
+    # a layer's sparsity penalty on the batch's mean activation and another's decorrelation penalty on the batch's
+    # Gram matrix, taken of kp.all_gather's rows, on a last batch of 21 rows split 11 and 10; the root mean squared
+    # error and the tutorial's masked accuracy compiled as metrics too. Before: 2.1e-3, 1.5e-3, 1.4e-3, 7.5e-5 and
+    # (over each worker's own rows) 4.2e-4 off one process's weights after 3 epochs, the metrics' logs up to 1.9e-3
+    # off, silently.
     ref, got, run = testing.reference_and_job(STATISTICS_PROGRAM, tmp_path, args=["gathered"])
     assert run.returncode == 0, run.report()
     _assert_equal(ref, got, names=("rmse", "masked_mean", "sparsity", "gram", "tutorial"))  # weights, epochs' logs
