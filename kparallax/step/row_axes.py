@@ -281,8 +281,12 @@ class RowAxes:
             return UNKNOWN
         return axis
 
-    def _summed(self, op, held):
-        """Records product ``op`` as a reduction of the rows ``held`` (tensor, axis) it sums over: ``STATISTIC``."""
+    def _summed(self, op, held, statistics):
+        """Product ``op`` summing over the rows ``held`` (tensor, axis): ``STATISTIC``, recorded as a reduction of
+        them, in the forward pass; ``UNKNOWN`` in a tape's backward pass (a weight's gradient) or when ``statistics``
+        (other inputs') are summed against the rows."""
+        if statistics or BACKWARD in f"/{op.name}":
+            return UNKNOWN
         self._sources[op.outputs[0].ref()] = (op, *held)
         self.reductions.append(op)
         return STATISTIC
@@ -303,10 +307,8 @@ class RowAxes:
         if not rows:
             return STATISTIC
         if all(axis == summed[side] for side, axis in rows):
-            if statistics or BACKWARD in f"/{op.name}":
-                return UNKNOWN
             side, axis = rows[0]
-            return self._summed(op, (op.inputs[side], axis))
+            return self._summed(op, (op.inputs[side], axis), statistics)
         if len(rows) == 2:
             both_first = axes[0] == 0 and axes[1] == 0 and a.shape.rank == b.shape.rank > 2
             return 0 if both_first else UNKNOWN
@@ -339,9 +341,7 @@ class RowAxes:
         if label in output:
             self._statistic_meets(op, (x, axis), statistics)
             return output.index(label)
-        if statistics or BACKWARD in f"/{op.name}":
-            return UNKNOWN
-        return self._summed(op, (x, axis))
+        return self._summed(op, (x, axis), statistics)
 
 
 def feeding(targets, ops):

@@ -40,7 +40,6 @@ from kparallax._compat import tf as tf_compat
 from kparallax.step import row_axes
 
 _ACTIVE = threading.local()
-_BACKWARD = row_axes.BACKWARD
 _MOST_CHECKS = 16
 
 
@@ -120,7 +119,7 @@ def _forward(meetings, feeding):
     those in ``feeding`` (names of the ops a differentiated loss is computed from), the first of each statistic."""
     kept, statistics = [], set()
     for meeting in meetings:
-        if _BACKWARD in f"/{meeting.op.name}":
+        if row_axes.BACKWARD in f"/{meeting.op.name}":
             continue
         if meeting.kind == "nonlinear":
             if meeting.op.name not in feeding or meeting.source.name in statistics:

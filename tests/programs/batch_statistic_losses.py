@@ -114,7 +114,9 @@ def main(out_dir, mode, option="gathered"):
     results = {}
     models = (("rmse", rmse), ("masked_mean", masked_mean), ("sparsity", "mse"), ("gram", "mse"),
               ("tutorial", masked_loss))
-    for name, loss in models[3:4] if option == "own_gram" else models:
+    for name, loss in models:
+        if option == "own_gram" and name != "gram":
+            continue
         with scope():
             layers = [tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB)]
             if name == "tutorial":  # per-token logits [B, LEN, TOKENS]
