@@ -4,17 +4,21 @@ Exercises placement, the registry, the Keras hooks, step building (push, the upd
 and the aggregation math without the launcher. Expected values come from plain Keras in this same process.
 """
 
+import collections
 import contextlib
+import gc
 import json
 import logging
 import os
 import threading
+import weakref
 import zipfile
 
 import numpy as np
 import portpicker
 import pytest
 import tensorflow as tf
+from tensorflow.python.eager import context as tf_context
 
 import kparallax as kp
 from kparallax._compat import keras as keras_compat
@@ -278,11 +282,107 @@ def test_a_step_fetches_each_distinct_row_once_and_its_update_reads_nothing_from
         assert not [x.op.name for x in op.inputs if "/job:worker/" in x.op.device], op.name
 
 
+def _step_ops(model):
+    """The ops of the model's traced train step (its own graph, not nested ones: the update's branches)."""
+    function = model.train_tf_function.get_concrete_function(
+        iter(tf.data.Dataset.from_tensor_slices(_data()).batch(16)))
+    return function.graph.get_operations()
+
+
+def _crossing(model):
+    """The worker's tensors the traced train step's ops on the PS task read (each a message per step)."""
+    return {x.name: x for op in _step_ops(model) if "/job:ps/" in op.device for x in op.inputs
+            if "/job:ps/" not in x.op.device and x.dtype != tf.resource}
+
+
+def test_a_table_s_push_sends_the_ids_its_pull_sent_and_the_update_s_scalars_cross_as_one(strategy):
+    """One table on the PS, Adam: what crosses to the PS task per step is the batch's distinct ids (once: the pull
+    of their rows and the push of their summed gradients send the same tensor), the summed gradient rows, and the
+    learning rate with the step count packed into one tensor. Training equals plain Keras (Adam's bias correction
+    reads the step count; the rate is the user's)."""
+    plain = _model("plain_crossing")
+    expected_loss = _train(plain, tf.keras.optimizers.Adam(0.05))
+    with strategy.scope():
+        model = _model("fast_crossing")
+        loss = _train(model, tf.keras.optimizers.Adam(0.05))
+    for got, want in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+    crossing = _crossing(model)
+    assert sorted(x.op.type for x in crossing.values()) == ["Pack", "Unique", "UnsortedSegmentSum"], crossing
+    pull = [op for op in _step_ops(model) if op.type == "ResourceGather"]  # (placed by the table's colocation)
+    push = [op for op in _step_ops(model) if op.type == "ResourceScatterAdd"]
+    assert len(pull) == 1 and len(push) == 1, (pull, push)
+    assert pull[0].inputs[1] is push[0].inputs[1]
+
+
+def test_what_a_traced_step_caches_dies_with_its_graph():
+    """The reads and distinct ids ``cached_reads`` keeps per traced graph do not keep that graph (every op of a
+    train step) alive once its function is gone: a script training models one after another, or retracing, would
+    hold every one (before, a dict keyed weakly by the graph held it through its values)."""
+    from kparallax.step import cached_reads  # pylint: disable=import-outside-toplevel
+    table = tf.Variable(tf.random.normal([10, 4]))
+    graphs = []
+
+    def trace():
+        @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.int32)])
+        def step(ids):
+            graphs.append(weakref.ref(tf.compat.v1.get_default_graph()))
+            with tf.GradientTape() as tape:
+                rows = cached_reads.gather_policy(table, ids, table.sparse_read)
+                dense = cached_reads.policy(table, table.read_value)
+            grad = tape.gradient(rows, table)
+            assert cached_reads.distinct(grad.indices) is not None  # (what the step keeps, so the check is not void)
+            return tf.reduce_sum(rows) + tf.reduce_sum(dense)
+
+        step.get_concrete_function()
+
+    trace()
+    gc.collect()
+    assert graphs and graphs[0]() is None
+
+
 def _two_tables(name):
     ids = tf.keras.Input((LEN,), dtype=tf.int32)
     both = tf.keras.layers.Add()([tf.keras.layers.Embedding(VOCAB, EMB, name=f"{name}_{k}")(ids) for k in "ab"])
     return tf.keras.Model(ids, tf.keras.layers.Dense(1, name=f"{name}_out")(tf.keras.layers.Flatten()(both)),
                           name=name)
+
+
+def _sent_to_ps(model):
+    """{dtype: count} of the tensors a step of ``model`` sends from the worker to the PS task, as TensorFlow runs it
+    (its partitioned graphs, after Grappler's rewrites: the run's metadata)."""
+    x, y = _data()
+    tf_context.context().enable_run_metadata()
+    try:
+        model.train_on_batch(x[:16], y[:16])
+        metadata = tf_context.context().export_run_metadata()
+    finally:
+        tf_context.context().disable_run_metadata()
+    sent = collections.Counter()
+    for function in metadata.function_graphs:
+        for partition in function.partition_graphs:
+            for node in partition.node:
+                if (node.op in ("_Send", "_HostSend") and "/job:ps/" in node.attr["recv_device"].s.decode()
+                        and "/job:ps/" not in node.attr["send_device"].s.decode()):
+                    sent[tf.dtypes.as_dtype(node.attr["T"].type).name] += 1
+    return dict(sent)
+
+
+def test_two_striped_tables_looked_up_by_the_same_ids_send_them_once_per_stripe(strategy):
+    """Two tables in 3 stripes each (one PS task), looked up by the same ids (a sampled softmax's weights and
+    biases): per stripe one ids tensor crosses, for both tables' pulls and pushes, beside each table's rows and one
+    tensor of learning rate and step count. Training equals plain Keras."""
+    plain = _two_tables("plain_same_ids")
+    expected_loss = _train(plain, tf.keras.optimizers.Adagrad(0.2))
+    with kp.HybridStrategy(strategy.cluster, partitions=3).scope():
+        model = _two_tables("fast_same_ids")
+        loss = _train(model, tf.keras.optimizers.Adagrad(0.2))
+        for got, want in zip(model.get_weights(), plain.get_weights()):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+        sent = _sent_to_ps(model)  # (a step more)
+    assert sent == {"int64": 3, "float32": 6, "float64": 1}, sent
 
 
 def test_the_step_waits_for_the_updates_of_a_ps_task_through_one_tensor(strategy):

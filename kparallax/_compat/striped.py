@@ -32,6 +32,8 @@ from tensorflow.python.training.saving import saveable_object as _saveable
 from tensorflow.python.trackable import base as _trackable
 from tensorflow.python.util import dispatch as _dispatch
 
+from kparallax._compat import tf as tf_compat
+
 
 def stripe_rows(num_rows, partitions):
     """Row counts of the ``partitions`` stripes of a ``num_rows``-row table."""
@@ -241,11 +243,20 @@ def _checked(params, ids, negative_ok=False):
     rows = sum(int(v.shape[0]) for v in _shards(params))
     values = ids.flat_values if isinstance(ids, tf.RaggedTensor) else ids.values if isinstance(
         ids, tf.SparseTensor) else tf.convert_to_tensor(ids)
-    low, high = tf.reduce_min(values), tf.reduce_max(values)
-    check = tf.debugging.Assert(tf.logical_and(negative_ok or low >= 0, high < tf.cast(rows, high.dtype)),
-                                [ID_CHECK_MESSAGE, low, high, rows])
-    with tf.control_dependencies([check]):
-        values = tf.identity(values)
+    # The same ids checked again for a table of as many rows in the same graph (a sampled softmax's weights and
+    # biases) give the same tensor: the lookups' splits of it over the stripes are then one computation, and each
+    # stripe's distinct ids one tensor crossing to its task for both tables.
+    graph = tf.compat.v1.get_default_graph()
+    checked = (tf_compat.graph_attached(graph, "checked_ids") if tf.is_symbolic_tensor(values) and values.graph is graph
+               else {})
+    key = (values.ref(), rows, bool(negative_ok))
+    if key not in checked:
+        low, high = tf.reduce_min(values), tf.reduce_max(values)
+        check = tf.debugging.Assert(tf.logical_and(negative_ok or low >= 0, high < tf.cast(rows, high.dtype)),
+                                    [ID_CHECK_MESSAGE, low, high, rows])
+        with tf.control_dependencies([check]):
+            checked[key] = tf.identity(values)
+    values = checked[key]
     if isinstance(ids, tf.RaggedTensor):
         return ids.with_flat_values(values)
     if isinstance(ids, tf.SparseTensor):

@@ -146,6 +146,17 @@ def outermost_function_graph():
     return graph
 
 
+def graph_attached(graph, name):
+    """A dict attached to ``graph`` (an attribute of it), empty at first use: it lives and dies with the graph. A
+    ``WeakKeyDictionary`` keyed by the graph would keep every graph alive, through the tensors its values hold."""
+    key = "_kparallax_" + name
+    attached = getattr(graph, key, None)
+    if attached is None:
+        attached = {}
+        setattr(graph, key, attached)
+    return attached
+
+
 def uncolocated():
     """Context in which new ops are not colocated with an op by an enclosing ``colocate_with`` (private
     ``ops.colocate_with(None, ignore_existing=True)``: ``tf.nn.embedding_lookup`` colocates its gather, and all it
@@ -158,16 +169,20 @@ def not_recording():
     return _record.stop_recording()
 
 
-def record_gather(variable, ids, output):
+def record_gather(variable, ids, output, indices_made=None):
     """Records ``output`` on the active tapes as the gather of ``variable``'s rows at ``ids`` (private
     ``record.record_operation``), with the gradient TensorFlow gives that gather (``ResourceGather``'s: one slice per
-    id, repeats included, of the table's shape), however ``output`` was computed."""
+    id, repeats included, of the table's shape), however ``output`` was computed. ``indices_made``, if given, is
+    called with that gradient's indices tensor each time a tape builds it."""
     shape = tf.constant(variable.shape.as_list(), tf.int32)
 
     def backward(upstream):
         size = tf.size(ids)[None]
         values = tf.reshape(upstream, tf.concat([size, shape[1:]], 0))
-        return [tf.IndexedSlices(values, tf.reshape(ids, size), shape), None]
+        indices = tf.reshape(ids, size)
+        if indices_made is not None:
+            indices_made(indices)
+        return [tf.IndexedSlices(values, indices, shape), None]
 
     _record.record_operation("ResourceGather", [output], [variable.handle, ids], backward)
 

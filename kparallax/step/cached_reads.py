@@ -1,5 +1,6 @@
 """What a training step reads from PS variables: one read per step of each dense one (what TensorFlow 1's caching
-devices did), and each gathered row once per gather (``gather_policy``).
+devices did), and each gathered row once per gather (``gather_policy``), by distinct ids the step's push of that
+gather's gradient sends again (``distinct``).
 
 Keras' RNN layers read their kernels inside the loop over time steps: an LSTM kernel on a PS is fetched once per
 time step (20 reads per step for lm1b). ``policy`` is the ``read_policy`` of dense PS variables: while a train step
@@ -9,13 +10,12 @@ capture it) reuses it; gradients flow through the one read. Outside a tape (the 
 eager reads) reads are left alone, so an update is never read back stale.
 """
 
-import weakref
-
 import tensorflow as tf
 
 from kparallax._compat import tf as tf_compat
 
-_CACHES = weakref.WeakKeyDictionary()  # outermost FuncGraph -> {variable ref: tensor}
+_READS = "cached_reads"  # attached to the outermost FuncGraph: {variable ref: its read}
+_DISTINCT = "distinct_ids"  # attached to a FuncGraph: {a gradient's indices ref: (distinct ids, position)}
 
 
 def policy(variable, read):
@@ -23,7 +23,7 @@ def policy(variable, read):
     graph = tf_compat.outermost_function_graph()
     if graph is None or not tf_compat.tape_may_record():
         return read()
-    cache = _CACHES.setdefault(graph, {})
+    cache = tf_compat.graph_attached(graph, _READS)
     key = variable.ref()
     if key not in cache:
         with tf_compat.enter_graph(graph):
@@ -46,11 +46,28 @@ def gather_policy(variable, ids, gather):
         return gather(ids)  # (``row_axes`` follows the batch's rows through the repeat by these static sizes)
     with tf_compat.not_recording():
         with tf_compat.uncolocated():  # on the worker, not with the table (``tf.nn.embedding_lookup`` colocates)
-            distinct, position = tf.unique(tf.reshape(ids, [-1]))
+            # int64: the dtype the push sends its ids in (``local_aggregation.dedup``), so both send one tensor
+            distinct, position = tf.unique(tf.cast(tf.reshape(ids, [-1]), tf.int64))
         rows = gather(distinct)
         with tf_compat.uncolocated():
             repeated = tf.reshape(tf.gather(rows, position),
                                   tf.concat([tf.shape(ids), variable.shape[1:].as_list()], 0))
     tf_compat.mark_accessed(variable)
-    tf_compat.record_gather(variable, ids, repeated)
+
+    def indices_made(indices):  # the gradient's indices: ``ids`` flattened, in the same order
+        if indices.graph is distinct.graph:
+            tf_compat.graph_attached(indices.graph, _DISTINCT)[indices.ref()] = (distinct, position)
+
+    tf_compat.record_gather(variable, ids, repeated, indices_made)
     return repeated
+
+
+def distinct(indices):
+    """``(distinct ids, position)`` as ``tf.unique(tf.cast(indices, tf.int64))`` gives them, for the indices of the
+    gradient of a gather ``gather_policy`` made in the same graph: the ids its forward pass pulled rows by, so a
+    push of that gradient sends the very tensor the pull sent (it crosses once per step and PS task, not twice),
+    and the unique is not computed again. None for any other indices (a gradient's indices a tape concatenated,
+    ids allgathered)."""
+    if not tf.is_symbolic_tensor(indices):
+        return None
+    return tf_compat.graph_attached(indices.graph, _DISTINCT).get(indices.ref())

@@ -9,12 +9,15 @@ instead of one per worker (Parallax's local aggregation).
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
+from kparallax.step import cached_reads
 from kparallax.step import collectives
 
 
 def dedup(ids, rows):
-    """(unique ids, rows summed per id)."""
-    ids, index = tf.unique(tf.cast(ids, tf.int64))
+    """(unique ids, rows summed per id); the unique ids of an embedding lookup's gradient are those its forward pass
+    pulled rows by (``cached_reads.distinct``)."""
+    known = cached_reads.distinct(ids)
+    ids, index = known if known is not None else tf.unique(tf.cast(ids, tf.int64))
     return ids, tf.math.unsorted_segment_sum(rows, index, tf.shape(ids)[0])
 
 

@@ -10,7 +10,7 @@ Per step and per PS variable with a sparse gradient, in ONE remote chain on the 
      its token; the other pushes' token is their count. So the update starts where the last rows land, with no
      collective and no further round trip. Everything the update reads is on the PS or crossed before the push
      (the learning rate and the optimizer's step count, which live on the worker, are read once per step outside
-     it);
+     it and cross to each PS task as one tensor);
   3. the end-of-step barrier (``train_step.py``) carries every pusher's tokens: no worker goes on before the update.
 Dense gradients of PS variables (the ``ps`` architecture) are added whole into the accumulator, and the step's last
 push applies them the same way. With ``clipnorm`` they instead pass a barrier carrying those pushes' tokens, then the
@@ -19,7 +19,8 @@ chief reads the sums and applies them: their norm may span a table's shards on s
 gradients of PS variables, the sparse pushes' counts go through that barrier too, then the last pushes update.
 Gradient clipping (the user's ``clipnorm`` / ``clipvalue``) is applied along the way as one process would
 (``clipping.py``); the clones do not clip again.
-Only touched rows and their ids cross the network; the update math runs on the PS device. Ordering across devices
+Only touched rows and their ids cross the network (an embedding lookup's push sends the ids its pull sent:
+``cached_reads.distinct``); the update math runs on the PS device. Ordering across devices
 uses data edges only (see ``collectives.py``); control edges are used only between ops on the same PS device.
 """
 
@@ -235,8 +236,8 @@ class SyncPs:
             done = self._helper(variable, UPDATES).read_value()  # this step's update cannot have run yet
         last = tf.equal(pushes, (done + 1) * self._pushers)
         clone = self._clones.get(variable)
-        step = self._on_ps(self._step_count, variable)
-        with keras_compat.learning_rate_value(clone, self._on_ps(self._rate(clone), variable)):
+        step, rate = self._step_and_rate(clone, variable)
+        with keras_compat.learning_rate_value(clone, rate):
             return tf.cond(last, lambda: apply(clone, step), lambda: tf.identity(pushes))
 
     def _on_ps(self, value, variable):
@@ -251,6 +252,22 @@ class SyncPs:
         if key not in self._copies:
             with tf.device(variable.device):
                 self._copies[key] = tf.identity(value)
+        return self._copies[key]
+
+    def _step_and_rate(self, clone, variable):
+        """The step count and ``clone``'s learning rate (``_rate``) copied onto ``variable``'s PS task (``_on_ps``),
+        crossing as ONE tensor where both are there: one message per step and PS task instead of two. Packed as
+        float64, which holds either exactly (a float rate, a count below 2**53)."""
+        step, rate = self._step_count, self._rate(clone)
+        if step is None or rate is None or rate.shape.rank != 0 or not rate.dtype.is_floating:
+            return self._on_ps(step, variable), self._on_ps(rate, variable)
+        key = (step.ref(), rate.ref(), collectives.task_of(variable.device))
+        if key not in self._copies:
+            with tf.device(step.device):  # where the count was read (the caller may be in the PS task's scope)
+                packed = tf.stack([tf.cast(step, tf.float64), tf.cast(rate, tf.float64)])
+            with tf.device(variable.device):
+                copy = tf.identity(packed)
+                self._copies[key] = (tf.cast(copy[0], step.dtype), tf.cast(copy[1], rate.dtype))
         return self._copies[key]
 
     def _rate(self, clone):
@@ -327,8 +344,8 @@ class SyncPs:
         with tf.device(variable.device):
             if factor is not None:
                 grad = clipping_lib.scaled(grad, factor)
-            return self._apply_dense(variable, self._clones.get(variable), grad,
-                                     self._on_ps(self._step_count, variable))
+            clone = self._clones.get(variable)
+            return self._apply_dense(variable, clone, grad, self._step_and_rate(clone, variable)[0])
 
     def _apply_dense(self, variable, clone, grad, step):
         """Applies the aggregated ``grad`` with ``clone`` at ``step``, zeroes the accumulator; the update's token."""
