@@ -44,7 +44,8 @@ def globalized(call, y_true, y_pred):
     axes.follow(ops)
     feeding = row_axes.feeding([t for t in graph.outputs if t.dtype.is_floating], ops)
     kinds = {m.kind for m in axes.meetings if m.op.name in feeding}
-    if not kinds & _MADE_GLOBAL or kinds & _OTHER_MEETINGS or not all(_global(op) for op in axes.reductions):
+    if (not kinds & _MADE_GLOBAL or kinds & _OTHER_MEETINGS
+            or not all(row_axes.summed_or_averaged(op) for op in axes.reductions)):
         return None
 
     def over_the_global_batch(y_true, y_pred, **kwargs):
@@ -52,11 +53,6 @@ def globalized(call, y_true, y_pred):
             return call(y_true, y_pred, **kwargs)
 
     return over_the_global_batch
-
-
-def _global(op):
-    """Whether reduction ``op`` of the batch's rows is made global here: a sum, or a mean of floating values."""
-    return op.type == "Sum" or (op.type == "Mean" and op.outputs[0].dtype.is_floating)
 
 
 @contextlib.contextmanager

@@ -344,6 +344,12 @@ class RowAxes:
         return self._summed(op, (x, axis), statistics)
 
 
+def summed_or_averaged(op):
+    """Whether reduction ``op`` of the batch's rows is a sum, or a mean of floating values: the statistics
+    ``batch_statistics`` can take over every worker's rows (a compiled loss's)."""
+    return op.type == "Sum" or (op.type == "Mean" and op.outputs[0].dtype.is_floating)
+
+
 def feeding(targets, ops):
     """The names of the graph ``ops`` that the ``targets`` (tensors) are computed from (data edges), the targets'
     own too."""

@@ -208,7 +208,7 @@ def _meeting_message(meeting, where):
         how = (f"{op.type} broadcasts the rows of {x.shape} (axis {axis}) against those of {other.shape} (axis "
                f"{other_axis}), pairing every row of the batch with every other, as pairwise differences do")
     elif meeting.kind == "nonlinear":
-        compiled = _COMPILED if meeting.source.type in ("Sum", "Mean") else ""  # what batch_statistics makes global
+        compiled = _COMPILED if row_axes.summed_or_averaged(meeting.source) else ""  # what batch_statistics takes
         return (f"A statistic of the batch reaches the loss through {op.name} ({op.type} of {meeting.source.type} "
                 f"over the rows of the batch in {meeting.source.name}: a function of that statistic other than a sum "
                 "or a scaling, as a root mean squared error loss, a log of a mean over the batch, a loss divided "
