@@ -207,11 +207,15 @@ def _rnn(name):
                                 tf.keras.layers.Dense(1)], name=name)
 
 
+def _step_graph(model):
+    """The graph of the model's traced train step (its own: the update's branches and loops are nested in it)."""
+    batches = iter(tf.data.Dataset.from_tensor_slices(_data()).batch(16))
+    return model.train_tf_function.get_concrete_function(batches).graph
+
+
 def _traced_ops(model):
     """(op, inside a while-loop body) for every op of the model's traced train step, nested graphs too."""
-    function = model.train_tf_function.get_concrete_function(
-        iter(tf.data.Dataset.from_tensor_slices(_data()).batch(16)))
-    pending = [(function.graph, False)]
+    pending = [(_step_graph(model), False)]
     while pending:
         graph, in_loop = pending.pop()
         for op in graph.get_operations():
@@ -282,16 +286,10 @@ def test_a_step_fetches_each_distinct_row_once_and_its_update_reads_nothing_from
         assert not [x.op.name for x in op.inputs if "/job:worker/" in x.op.device], op.name
 
 
-def _step_ops(model):
-    """The ops of the model's traced train step (its own graph, not nested ones: the update's branches)."""
-    function = model.train_tf_function.get_concrete_function(
-        iter(tf.data.Dataset.from_tensor_slices(_data()).batch(16)))
-    return function.graph.get_operations()
-
-
 def _crossing(model):
     """The worker's tensors the traced train step's ops on the PS task read (each a message per step)."""
-    return {x.name: x for op in _step_ops(model) if "/job:ps/" in op.device for x in op.inputs
+    ops = _step_graph(model).get_operations()
+    return {x.name: x for op in ops if "/job:ps/" in op.device for x in op.inputs
             if "/job:ps/" not in x.op.device and x.dtype != tf.resource}
 
 
@@ -310,8 +308,9 @@ def test_a_table_s_push_sends_the_ids_its_pull_sent_and_the_update_s_scalars_cro
     np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
     crossing = _crossing(model)
     assert sorted(x.op.type for x in crossing.values()) == ["Pack", "Unique", "UnsortedSegmentSum"], crossing
-    pull = [op for op in _step_ops(model) if op.type == "ResourceGather"]  # (placed by the table's colocation)
-    push = [op for op in _step_ops(model) if op.type == "ResourceScatterAdd"]
+    ops = _step_graph(model).get_operations()
+    pull = [op for op in ops if op.type == "ResourceGather"]  # (placed by the table's colocation)
+    push = [op for op in ops if op.type == "ResourceScatterAdd"]
     assert len(pull) == 1 and len(push) == 1, (pull, push)
     assert pull[0].inputs[1] is push[0].inputs[1]
 
