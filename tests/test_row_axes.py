@@ -1,8 +1,8 @@
 """step/row_axes.py: which axis of a traced tensor holds the batch's rows, followed through the ops a step makes
 (element-wise, reductions, shape ops, slices, gathers, products; a reshape splitting each row's values into entries
-and joining them back), with the batch's size unknown and static; which
-functions of a statistic of the batch are ``nonlinear`` meetings. Meetings are tested through their refusal in
-``test_rows.py``."""
+and joining them back; into the functions it calls and a cond's branches), with the batch's size unknown and
+static; which functions of a statistic of the batch are ``nonlinear`` meetings. Meetings are tested through their
+refusal in ``test_rows.py``."""
 
 import numpy as np
 import tensorflow as tf
@@ -62,7 +62,15 @@ EXPRESSIONS = {
     "padded rows": (lambda x, ids, w: tf.pad(x, [[1, 0], [0, 0]]), UNKNOWN),
     "its shape": (lambda x, ids, w: tf.shape(x), None),
     "a softmax per row": (lambda x, ids, w: tf.nn.softmax(x), 0),
-    "a function of its own": (lambda x, ids, w: tf.function(lambda t: t * 2.0)(x), UNKNOWN),
+    "a function of its own": (lambda x, ids, w: tf.function(lambda t: t * 2.0)(x), 0),
+    "a function's column sums": (lambda x, ids, w: tf.function(lambda t: tf.reduce_sum(t, 0))(x), STATISTIC),
+    "a function called in a function": (lambda x, ids, w: tf.function(lambda t: tf.function(tf.transpose)(t))(x), 1),
+    "a function capturing a weight": (lambda x, ids, w: tf.function(lambda t: t @ w)(x), 0),
+    "entries joined back in a function": (
+        lambda x, ids, w: tf.function(lambda t: tf.reshape(t, [-1, 3]))(tf.reshape(x, [-1, 1]) * 2.0), 0),
+    "a cond's branches": (lambda x, ids, w: tf.cond(w[0, 0] > 0, lambda: x * 2.0, lambda: x + w[0]), 0),
+    "a cond's branches disagreeing": (lambda x, ids, w: tf.cond(w[0, 0] > 0, lambda: tf.transpose(x) @ x,
+                                                                lambda: w), UNKNOWN),
 }
 
 
@@ -99,10 +107,13 @@ def test_a_reshape_splitting_rows_into_entries_counts_them_and_joining_them_back
             flat = tf.reshape(logits, [-1, tf.shape(logits)[-1]])
             losses = tf.nn.sparse_softmax_cross_entropy_with_logits(tf.reshape(labels, [-1]), flat)
             back = tf.reshape(losses, tf.shape(labels))
+            # The same in functions the step calls: split in one, joined back in another.
+            split = tf.function(lambda t: tf.reshape(t, [-1, 11]))(logits)
+            joined = tf.function(lambda t: tf.reshape(t, [-1, 7]))(losses)
             axes = row_axes.RowAxes((labels, logits))
             axes.follow(graph.get_operations()[first:])
-        assert [axes.axis(t) for t in (flat, losses, back)] == [0, 0, 0], rows
-        assert [axes.entries(t) for t in (flat, losses, back)] == [7, 7, 1], rows
+        assert [axes.axis(t) for t in (flat, losses, back, split, joined)] == [0] * 5, rows
+        assert [axes.entries(t) for t in (flat, losses, back, split, joined)] == [7, 7, 1, 7, 1], rows
 
 
 def test_a_lookup_of_distinct_rows_repeated_keeps_the_rows_of_its_ids():

@@ -162,6 +162,56 @@ def test_rows_meeting_a_gathered_side_or_each_alone_run():
         assert _refusal(alone) is None
 
 
+def _center(t):
+    return t - tf.reduce_mean(t, axis=0)
+
+
+# Rows meeting inside a function the step calls (row_axes follows the call into its body): each form, and the
+# names its message gives (the meeting's op, then the calls it is in).
+MEETINGS_INSIDE = {
+    "a_tf_function": (lambda q, d, w: tf.function(_center)(q) @ w,
+                      "Rows of the batch meet in sub, in the function called by PartitionedCall, (Sub combines rows"),
+    "a_function_capturing_a_weight": (
+        lambda q, d, w: tf.function(lambda t: _center(t @ w))(q),
+        "Rows of the batch meet in sub, in the function called by StatefulPartitionedCall, (Sub combines rows"),
+    "a_function_in_a_function": (
+        lambda q, d, w: tf.function(lambda t: tf.function(_center)(t * 2.0))(q),
+        "meet in sub, in the function called by PartitionedCall, in the function called by PartitionedCall, ("),
+    "a_statistic_from_a_function": (lambda q, d, w: q - tf.function(lambda t: tf.reduce_mean(t, axis=0))(d),
+                                    "Rows of the batch meet in sub (Sub combines rows of ("),
+    "a_cond_s_branch": (lambda q, d, w: tf.cond(tf.reduce_sum(w) > 0, lambda: _center(q), lambda: q),
+                        "Rows of the batch meet in cond/sub, in the function called by cond, (Sub combines rows"),
+    "pairwise_in_a_function": (lambda q, d, w: tf.function(lambda a, b: a[:, None, :] - b[None, :, :])(q, d),
+                               "pairing every row of the batch with every other"),
+    "a_softmax_in_a_function": (lambda q, d, w: tf.function(lambda t: tf.nn.softmax(t, axis=0))(q @ w),
+                                "(Softmax along the rows of the batch"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MEETINGS_INSIDE))
+def test_rows_meeting_inside_a_function_the_step_calls_are_refused_on_several_workers(name):
+    # Before, a call was a tensor of unknown rows: these trained silently apart from one process.
+    meet, fragment = MEETINGS_INSIDE[name]
+    for rows in (None, 4):
+        message = _refusal(meet, rows)
+        assert message is not None and fragment in message, (rows, message)
+        assert "Received: that op in the training step of a job of 2 workers. Compute it per row" in message
+    assert _refusal(meet, workers=1) is None
+
+
+def test_rows_meeting_in_a_branch_not_taken_or_alone_in_a_function_run():
+    # The check of a cond's branch holds when that branch runs; per-row functions, and a function of the gathered
+    # rows, meet nothing; a function of sampled rows (fewer than the batch's) neither.
+    assert _refusal(lambda q, d, w: tf.cond(tf.reduce_sum(w) < 0, lambda: _center(q), lambda: q * 2.0)) is None
+    assert _refusal(lambda q, d, w: tf.cond(tf.reduce_sum(w) > 0, lambda: q * 2.0, lambda: _center(q))) is None
+    for alone in (lambda q, d, w: tf.function(lambda t: tf.nn.softmax(t, axis=1))(q @ w),
+                  lambda q, d, w: tf.function(lambda t: t - tf.reduce_mean(t, axis=1, keepdims=True))(q),
+                  lambda q, d, w: tf.function(lambda t: tf.reduce_mean(tf.square(t)))(q @ w),
+                  lambda q, d, w: tf.function(lambda t: tf.reduce_mean(t[:2], axis=0))(q) + 1.0):
+        assert _refusal(alone) is None
+    assert _refusal(lambda q, d, w: tf.function(_center)(d), gathered=True) is None
+
+
 def _loss_refusal(loss, rows=None, workers=2, micro_batches=1, logged=None):
     """Trains a [3, 1] kernel ``w`` one step on ``loss(q, d, w)`` of a batch (q, d) of 4 rows x 3, traced with ``rows``
     rows (None: unknown) under ``rows_meet.refused`` (returning ``logged(q, d, w)`` too, if given): the check's
@@ -208,6 +258,9 @@ NONLINEAR_LOSSES = {
     "an_einsum_gram_matrix_s_root": (
         lambda q, d, w: tf.sqrt(tf.reduce_sum(tf.einsum("bi,bj->ij", q @ w, d))),
         "through Sqrt (Sqrt of Einsum over the rows of the batch in einsum/Einsum:"),
+    "a_root_mean_squared_error_in_a_function": (
+        lambda q, d, w: tf.function(lambda e: tf.sqrt(tf.reduce_mean(tf.square(e))))(q @ w - d[:, :1]),
+        "through Sqrt, in the function called by PartitionedCall, (Sqrt of Mean over the rows of the batch in Mean:"),
 }
 
 
@@ -224,7 +277,8 @@ def test_a_nonlinear_function_of_a_batch_statistic_in_the_loss_is_refused_on_sev
         assert ("Received: that op in the training step of a job of 2 workers. Take the statistic over every "
                 "worker: of the rows of kp.all_gather(value)") in message
         compiled = "a loss function compiled with the model (of its targets and predictions) gets its sums"
-        assert (compiled in message) == ("gram" not in name), (rows, message)  # not for a product's statistic
+        # not for a product's statistic, nor one in a function of its own (batch_statistics makes neither global)
+        assert (compiled in message) == ("gram" not in name and "function" not in name), (rows, message)
     assert _loss_refusal(loss, workers=1) is None
     assert "a job of 1 worker(s) accumulating backward_passes_per_step=2 micro-batches" in _loss_refusal(
         loss, workers=1, micro_batches=2)
@@ -331,6 +385,16 @@ def test_queries_centered_over_the_worker_s_own_rows_are_refused(tmp_path):
     _assert_refused(tmp_path, ["kparallax", "centered_own"], (
         "Rows of the batch meet in retrieval/sub (Sub combines rows of (None, 4) with Mean over the rows of the batch "
         "in retrieval/Mean, a statistic of the batch",
+        "Received: that op in the training step of a job of 2 workers. Compute it per row, or over every worker: "
+        "gather the rows with kp.all_gather(value) first"))
+
+
+@pytest.mark.multiprocess
+def test_queries_centered_in_a_function_of_their_own_are_refused(tmp_path):
+    # The same centering in a tf.function the model calls: before, the call hid it and each worker trained silently
+    # apart from one process.
+    _assert_refused(tmp_path, ["kparallax", "centered_in_function"], (
+        "Rows of the batch meet in sub, in the function called by retrieval/",
         "Received: that op in the training step of a job of 2 workers. Compute it per row, or over every worker: "
         "gather the rows with kp.all_gather(value) first"))
 

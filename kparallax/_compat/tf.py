@@ -421,6 +421,31 @@ def captured_from(tensor):
     return None
 
 
+def called_graphs(op):
+    """The graphs of the functions graph op ``op`` calls with its inputs, in order, or None: a ``tf.function``'s body
+    (``PartitionedCall`` / ``StatefulPartitionedCall``: its inputs, captures last, are the body's ``inputs``) and a
+    ``tf.cond``'s two branches (``If`` / ``StatelessIf``: the inputs after the predicate). TF 2.15: the graph's
+    function library gives each name's ``AtomicFunction``, whose ``graph`` is the body's ``FuncGraph``; None where
+    one is not found (a function of another library, an op of another type)."""
+    if op.type in ("PartitionedCall", "StatefulPartitionedCall"):
+        names = [op.get_attr("f").name]
+    elif op.type in ("If", "StatelessIf"):
+        names = [op.get_attr("then_branch").name, op.get_attr("else_branch").name]
+    else:
+        return None
+    graphs = []
+    for name in names:
+        try:
+            function = op.graph._get_function(name)  # pylint: disable=protected-access
+        except (AttributeError, ValueError):  # another TensorFlow's graph
+            return None
+        graph = getattr(function, "graph", None)
+        if not isinstance(graph, _func_graph.FuncGraph):
+            return None
+        graphs.append(graph)
+    return graphs
+
+
 def computed_from(tensor):
     """The tensors graph tensor ``tensor`` is computed from: for a placeholder a tf.function or cond/while body
     captured, the enclosing graph's tensor (``captured_from``); else its op's inputs. Nothing for an eager value or

@@ -43,7 +43,7 @@ def globalized(call, y_true, y_pred):
     axes, ops = row_axes.RowAxes(graph.inputs[:2]), graph.get_operations()
     axes.follow(ops)
     feeding = row_axes.feeding([t for t in graph.outputs if t.dtype.is_floating], ops)
-    kinds = {m.kind for m in axes.meetings if m.op.name in feeding}
+    kinds = {m.kind for m in axes.meetings if m.op.name in feeding and not m.calls}  # inside a call: not made global
     if (not kinds & _MADE_GLOBAL or kinds & _OTHER_MEETINGS
             or not all(row_axes.summed_or_averaged(op) for op in axes.reductions)):
         return None

@@ -7,8 +7,14 @@ order they were made, and gives each output one of:
 - ``STATISTIC``: a reduction over the rows (a per-column mean, the batch's maximum, a loss's mean; a product
   summing over them, ``a^T @ b``, a Gram matrix of the batch, in the forward pass), and what is computed from it and
   values without rows;
-- ``UNKNOWN``: anything else the batch reaches (an op not followed here, a function call, a loop, a collective,
-  several rows' values joined into one entry by a reshape). Nothing is refused from it.
+- ``UNKNOWN``: anything else the batch reaches (an op not followed here, a loop, a collective, several rows'
+  values joined into one entry by a reshape). Nothing is refused from it.
+
+A function the step calls (a ``tf.function`` of the user's, a ``tf.cond``'s branches) is followed inside: its
+inputs' axes are given to its body's placeholders and its outputs get its body's outputs' (a cond's branches
+agreeing, else ``UNKNOWN``). Rows meeting inside are meetings of the call (``Meeting.calls``), checked at run time
+on the call's inputs that hold the batch's rows (``Meeting.checked``), the body's tensors being out of the step's
+reach. A function called in a tape's backward pass, and a ``while`` loop's body, are not followed.
 
 A reshape may split each row's values into several entries of the rows' axis (``[B, T, V] -> [B * T, V]``, as a
 sequence's cross-entropy does) and join them back (``[B * T] -> [B, T]``): ``entries`` counts them.
@@ -41,6 +47,8 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
+from kparallax._compat import tf as tf_compat
+
 STATISTIC = "statistic"
 UNKNOWN = "unknown"
 BACKWARD = "/gradient_tape/"  # the name scope of a tape's gradient ops
@@ -66,6 +74,9 @@ _CONSTANT_LIKE = {"ZerosLike", "OnesLike"}  # the input's shape, not its values
 _BATCH_FIRST = {"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MaxPool", "MaxPoolV2", "AvgPool", "MaxPool3D",
                 "AvgPool3D", "FusedBatchNormV3", "FusedBatchNorm", "LRN"}
 PRODUCTS = {"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"}
+_BRANCHES = {"If", "StatelessIf"}  # a tf.cond: (predicate, inputs...), its branches called with the inputs
+_CALLS = {"PartitionedCall", "StatefulPartitionedCall"} | _BRANCHES
+_DEEPEST = 8  # functions called inside functions: followed this many levels deep
 _SOFTMAX = {"Softmax", "LogSoftmax"}
 _CUMULATIVE = {"Cumsum", "Cumprod", "CumulativeLogsumexp"}
 # Functions of a statistic other than sums, differences and scalings (``nonlinear``): ops that pass it on as it is,
@@ -89,14 +100,28 @@ class Meeting:
     kind: str
     rows: tuple
     source: object = None  # for a statistic: the reduction's op
+    calls: tuple = ()  # inside functions the step calls: the call ops, the step's own first
+    held: tuple = ()  # then: pairs (tensor, axis) of the step's own call's inputs holding the batch's rows
+    when: tuple = ()  # in a branch of the step's own tf.cond: (its predicate, True for the first branch)
+
+    @property
+    def at(self):
+        """The op of the step's own graph where the rows meet: ``op``, or the call of the function it is in."""
+        return self.calls[0] if self.calls else self.op
+
+    @property
+    def checked(self):
+        """The pairs (tensor, axis) to check against the worker's batch when the step runs: ``rows``, or for a
+        meeting inside a function, ``held`` (its own tensors are not the step's)."""
+        return self.held if self.calls else self.rows
 
 
 class RowAxes:
     """Where the batch ``data``'s rows lie in the tensors of a step traced after it; see the module docstring.
     ``apart``: tensors (refs) to take as ``UNKNOWN`` (each worker's own statistics on request, a gather's output)."""
 
-    def __init__(self, data, apart=frozenset(), apart_ops=frozenset()):
-        self._apart, self._apart_ops = set(apart), set(apart_ops)
+    def __init__(self, data, apart=frozenset(), apart_ops=frozenset(), depth=0):
+        self._apart, self._apart_ops, self._depth = set(apart), set(apart_ops), depth
         self._axes = {t.ref(): UNKNOWN if t.ref() in self._apart else 0
                       for t in tf.nest.flatten(data) if isinstance(t, tf.Tensor) and t.shape.rank}
         self._sources = {}  # a statistic's ref -> (its reduction's op, the reduced tensor, the rows' axis)
@@ -140,7 +165,7 @@ class RowAxes:
     def _merge(self, op, axes, outputs):
         """``outputs`` (the rows' axes of ``op``'s outputs), recording the entries per row of those with rows: a
         reshape's own (``_reshape``), or those of the inputs with rows (``UNKNOWN`` where they differ)."""
-        if op.type == "Reshape":
+        if op.type == "Reshape" or op.type in _CALLS:  # their own (``_reshape``, ``_called``)
             return outputs
         entries = {self.entries(x) for x, a in zip(op.inputs, axes) if isinstance(a, int)}
         if len(entries) > 1:
@@ -203,7 +228,52 @@ class RowAxes:
             return [None, axes[0] if isinstance(axes[0], int) else UNKNOWN]
         if kind in ("SoftmaxCrossEntropyWithLogits", "SparseSoftmaxCrossEntropyWithLogits"):
             return [0 if axes[0] == 0 and axes[1] in (0, None) else UNKNOWN] * 2
+        if kind in _CALLS:
+            return self._called(op, axes)
         return [UNKNOWN] * len(op.outputs)
+
+    def _called(self, op, axes):
+        """A call of functions (a ``tf.function``'s body, a ``tf.cond``'s branches): its outputs' rows' axes, from
+        following each body with its inputs' axes; the meetings inside recorded as the call's."""
+        unknown = [UNKNOWN] * len(op.outputs)
+        bodies = tf_compat.called_graphs(op)
+        inputs = list(zip(op.inputs, axes))[1:] if op.type in _BRANCHES else list(zip(op.inputs, axes))
+        if (not bodies or self._depth >= _DEEPEST or BACKWARD in f"/{op.name}"
+                or any(len(b.inputs) != len(inputs) or len(b.outputs) != len(op.outputs) for b in bodies)):
+            return unknown
+        held = tuple((x, a) for x, a in inputs if isinstance(a, int))
+        results = []
+        for body in bodies:
+            inner = RowAxes((), depth=self._depth + 1)
+            for placeholder, (x, axis) in zip(body.inputs, inputs):
+                if axis is not None:
+                    inner._axes[placeholder.ref()] = axis
+                if self.entries(x) > 1:
+                    inner._merged[placeholder.ref()] = self.entries(x)
+                if x.ref() in self._sources:
+                    inner._sources[placeholder.ref()] = self._sources[x.ref()]
+            inner.follow(body.get_operations())
+            # A branch's meetings are checked in the steps that take it (a cond inside a function: in every step).
+            when = ((op.inputs[0], body is bodies[0]),) if op.type in _BRANCHES else ()
+            for meeting in inner.meetings:
+                checked = held or meeting.checked  # no rows passed in: a statistic's, this graph's reduced tensor
+                if all(t.graph is op.graph for t, _ in checked):
+                    self.meetings.append(dataclasses.replace(meeting, calls=(op, *meeting.calls), held=checked,
+                                                             when=when))
+            results.append([(inner.axis(t), inner.entries(t), inner._sources.get(t.ref())) for t in body.outputs])
+        outputs = []
+        for tensor, (axis, entries, source), *others in zip(op.outputs, *results):
+            if any(other[0] != axis for other in others):
+                outputs.append(UNKNOWN)
+                continue
+            if isinstance(axis, int) and entries > 1:
+                self._merged[tensor.ref()] = entries
+            if axis == STATISTIC and source is not None:
+                reduced = held[0] if held else source[1:]  # checked on the step's own tensors
+                if all(t.graph is op.graph for t in reduced[:1]):
+                    self._sources[tensor.ref()] = (source[0], *reduced)
+            outputs.append(axis)
+        return outputs
 
     def _broadcast(self, op, axes):
         """An element-wise op of broadcast inputs: the rows' axis of its output, recording where rows meet."""

@@ -13,7 +13,7 @@ b^T``: ``tf.matmul(a, b, transpose_b=True)``, ``a @ tf.transpose(b)``, ``tf.eins
 check in the step: it fails at the first step when both sides have as many rows as the worker's batch. A side read
 from ``kp.all_gather``'s output (``gathered``) is not checked; a side of sampled candidates (a sampled softmax's)
 has its sample's rows, so it passes. Products in functions of their own (a ``tf.function`` the step calls, a loop's
-body) are not seen.
+body) are not seen (the meetings below are: ``row_axes`` follows calls).
 
 Rows that meet in other ways (``row_axes``: a statistic over the batch combined with its rows, a softmax over the
 batch axis, pairwise differences, a cumulative sum along the rows) get the same kind of check: it fails when the
@@ -86,10 +86,13 @@ def refused(num_workers, micro_batches, data):
     axes = row_axes.RowAxes(data, apart=marked, apart_ops=apart_ops)
     axes.follow(ops)
     meetings = _forward(axes.meetings, row_axes.feeding(targets, ops))
-    checks.extend((*meeting.rows, _meeting_message(meeting, where)) for meeting in meetings[:_MOST_CHECKS])
+    checks = [(held, (), message) for *held, message in checks]
+    checks.extend((meeting.checked, meeting.when, _meeting_message(meeting, where))
+                  for meeting in meetings[:_MOST_CHECKS])
     rows = tf.cast(keras_losses.batch_rows(data), tf.int32) if checks else None
-    for *held, message in checks:  # each held tensor with as many rows as the batch (times its entries per row)
-        every = tf.reduce_all(tf.stack([tf.equal(tf.shape(t)[axis], rows * axes.entries(t)) for t, axis in held]))
+    for held, when, message in checks:  # each held tensor with as many rows as the batch (times its entries per row)
+        every = tf.reduce_all(tf.stack([tf.equal(tf.shape(t)[axis], rows * axes.entries(t)) for t, axis in held]
+                                       + [tf.equal(tf.cast(p, tf.bool), taken) for p, taken in when]))
         tf.debugging.Assert(tf.logical_not(every), [message])
 
 
@@ -119,10 +122,10 @@ def _forward(meetings, feeding):
     those in ``feeding`` (names of the ops a differentiated loss is computed from), the first of each statistic."""
     kept, statistics = [], set()
     for meeting in meetings:
-        if row_axes.BACKWARD in f"/{meeting.op.name}":
+        if row_axes.BACKWARD in f"/{meeting.at.name}":
             continue
         if meeting.kind == "nonlinear":
-            if meeting.op.name not in feeding or meeting.source.name in statistics:
+            if meeting.at.name not in feeding or meeting.source.name in statistics:
                 continue
             statistics.add(meeting.source.name)
         kept.append(meeting)
@@ -197,8 +200,11 @@ _COMPILED = (" a loss function compiled with the model (of its targets and predi
 
 
 def _meeting_message(meeting, where):
-    """A meeting's error (``row_axes``), naming the op, how the rows meet there, and the fix."""
+    """A meeting's error (``row_axes``), naming the op (and the calls of the functions it is in), how the rows meet
+    there, and the fix."""
     op, (x, axis) = meeting.op, meeting.rows[0]
+    inside = "".join(f", in the function called by {c.name}" for c in reversed(meeting.calls))
+    inside += "," if inside else ""
     if meeting.kind == "statistic":
         how = (f"{op.type} combines rows of {x.shape} with {meeting.source.type} over the rows of the batch in "
                f"{meeting.source.name}, a statistic of the batch, as centering or normalizing over the batch by hand "
@@ -208,8 +214,10 @@ def _meeting_message(meeting, where):
         how = (f"{op.type} broadcasts the rows of {x.shape} (axis {axis}) against those of {other.shape} (axis "
                f"{other_axis}), pairing every row of the batch with every other, as pairwise differences do")
     elif meeting.kind == "nonlinear":
-        compiled = _COMPILED if row_axes.summed_or_averaged(meeting.source) else ""  # what batch_statistics takes
-        return (f"A statistic of the batch reaches the loss through {op.name} ({op.type} of {meeting.source.type} "
+        # what batch_statistics makes global (not inside a function of the loss function's own)
+        compiled = _COMPILED if row_axes.summed_or_averaged(meeting.source) and not meeting.calls else ""
+        return (f"A statistic of the batch reaches the loss through {op.name}{inside} ({op.type} of "
+                f"{meeting.source.type} "
                 f"over the rows of the batch in {meeting.source.name}: a function of that statistic other than a sum "
                 "or a scaling, as a root mean squared error loss, a log of a mean over the batch, a loss divided "
                 "by a statistic of the batch or a penalty on a Gram matrix of the batch is): each worker would take "
@@ -219,8 +227,8 @@ def _meeting_message(meeting, where):
                 f"{compiled} or make the loss a mean or sum of per-row values.")
     else:
         how = f"{op.type} along the rows of the batch, axis {axis} of its input {x.shape}"
-    return (f"Rows of the batch meet in {op.name} ({how}): each worker would compute it from its own rows only, "
-            f"and the model would train apart from one process on the global batch. Received: that op in the "
+    return (f"Rows of the batch meet in {op.name}{inside} ({how}): each worker would compute it from its own rows "
+            f"only, and the model would train apart from one process on the global batch. Received: that op in the "
             f"training step of {where}. Compute it per row, or over every worker: gather the rows with "
             "kp.all_gather(value) first (with sync=True and backward_passes_per_step=1); for a mean and variance "
             "over the batch, BatchNormalization takes them over every worker (sync_batch_norm=True).")

@@ -12,7 +12,8 @@ OPTION "scalar_losses" (both modes): the loss function gives one scalar for the 
 losses for the subclassed model and their sum for the functional one (default: the per-example losses).
 OPTION "centered" (both modes): the queries' embeddings are centered by their mean over the global batch, taken from
 kp.all_gather's rows under kparallax; "centered_own" (MODE=kparallax): by their mean over the worker's own rows
-(kparallax refuses it).
+(kparallax refuses it); "centered_in_function" (MODE=kparallax): the same, in a tf.function of its own that the
+training step calls (refused too).
 The model is built twice, subclassed and functional; writes OUT_DIR/subclassed.npz and OUT_DIR/functional.npz
 (weights, then the epoch losses and the evaluated loss) from worker 0 (or the one process).
 """
@@ -111,6 +112,8 @@ def main(out_dir, mode, *options):
     row_gather = gather if "centered" in options else (lambda value: value)
     center = ((lambda value: value - tf.reduce_mean(row_gather(value), axis=0))
               if {"centered", "centered_own"} & set(options) else None)
+    if "centered_in_function" in options:
+        center = tf.function(lambda value: value - tf.reduce_mean(value, axis=0))
     for name, build in models:
         with scope():
             model = build(gather, center)
