@@ -69,6 +69,15 @@ EXPRESSIONS = {
     "entries joined back in a function": (
         lambda x, ids, w: tf.function(lambda t: tf.reshape(t, [-1, 3]))(tf.reshape(x, [-1, 1]) * 2.0), 0),
     "a cond's branches": (lambda x, ids, w: tf.cond(w[0, 0] > 0, lambda: x * 2.0, lambda: x + w[0]), 0),
+    "a while loop keeping the rows": (
+        lambda x, ids, w: tf.while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, h @ w), (0, x))[1], 0),
+    "a loop's state of the batch's size, rows from its first step": (
+        lambda x, ids, w: tf.while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, h + x),
+                                        (0, tf.zeros([tf.shape(x)[0], 3])))[1], 0),
+    "a Keras LSTM's last output": (lambda x, ids, w: tf.keras.layers.LSTM(2)(x[:, None, :] * tf.ones([1, 4, 1])), 0),
+    "a Keras GRU's sequences": (
+        lambda x, ids, w: tf.keras.layers.GRU(2, return_sequences=True)(x[:, None, :] * tf.ones([1, 4, 1])), 0),
+    "a map over the rows": (lambda x, ids, w: tf.map_fn(lambda r: r * 2.0, x), UNKNOWN),
     "a cond's branches disagreeing": (lambda x, ids, w: tf.cond(w[0, 0] > 0, lambda: tf.transpose(x) @ x,
                                                                 lambda: w), UNKNOWN),
 }

@@ -185,18 +185,57 @@ MEETINGS_INSIDE = {
                                "pairing every row of the batch with every other"),
     "a_softmax_in_a_function": (lambda q, d, w: tf.function(lambda t: tf.nn.softmax(t, axis=0))(q @ w),
                                 "(Softmax along the rows of the batch"),
+    "a_while_loop_s_body": (lambda q, d, w: tf.while_loop(lambda i, h: i < 2, lambda i, h: (i + 1, _center(h)),
+                                                          (0, q))[1],
+                            "Rows of the batch meet in while/sub, in the body of the loop while, (Sub combines"),
 }
 
 
-@pytest.mark.parametrize("name", sorted(MEETINGS_INSIDE))
-def test_rows_meeting_inside_a_function_the_step_calls_are_refused_on_several_workers(name):
-    # Before, a call was a tensor of unknown rows: these trained silently apart from one process.
-    meet, fragment = MEETINGS_INSIDE[name]
+def _sequence(t, steps=5):
+    """The rows ``t`` [B, 3] repeated over ``steps`` time steps: [B, steps, 3]."""
+    return t[:, None, :] * tf.ones([1, steps, 1])
+
+
+# Rows meeting past a Keras RNN, whose loop over the time steps (a while loop over lists of the steps' rows)
+# row_axes follows: its outputs keep the batch's rows.
+LSTM, GRU = tf.keras.layers.LSTM(3), tf.keras.layers.GRU(3, return_sequences=True)
+MEETINGS_PAST_A_LOOP = {
+    "an_lstm_s_output_centered": (lambda q, d, w: _center(LSTM(_sequence(q))),
+                                  "Rows of the batch meet in sub (Sub combines rows of ("),
+    "a_gru_s_sequences_normalized_by_their_batch_maximum": (
+        lambda q, d, w: GRU(_sequence(q)) / tf.reduce_max(GRU(_sequence(q)), axis=0),
+        "Rows of the batch meet in truediv (RealDiv combines rows of ("),
+    "a_softmax_over_an_lstm_s_rows": (lambda q, d, w: tf.nn.softmax(LSTM(_sequence(q)), axis=0),
+                                      "(Softmax along the rows of the batch"),
+    "a_state_summed_over_a_while_loop_then_centered": (
+        lambda q, d, w: _center(tf.while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, h + q @ w),
+                                              (0, tf.zeros([tf.shape(q)[0], 3])))[1]),
+        "Rows of the batch meet in sub (Sub combines rows of ("),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MEETINGS_INSIDE) + sorted(MEETINGS_PAST_A_LOOP))
+def test_rows_meeting_inside_a_function_the_step_calls_or_past_a_loop_are_refused_on_several_workers(name):
+    # Before, a call and a loop were tensors of unknown rows: these trained silently apart from one process.
+    meet, fragment = {**MEETINGS_INSIDE, **MEETINGS_PAST_A_LOOP}[name]
     for rows in (None, 4):
         message = _refusal(meet, rows)
         assert message is not None and fragment in message, (rows, message)
         assert "Received: that op in the training step of a job of 2 workers. Compute it per row" in message
     assert _refusal(meet, workers=1) is None
+
+
+def test_per_row_work_past_a_keras_rnn_or_a_while_loop_runs():
+    # An RNN's outputs per row (a dense layer, a loss's mean, its sequences' per-step softmax), a loop over the
+    # columns' lists (tf.map_fn over each row: the rows become the list's elements, not followed) meet nothing.
+    dense = tf.keras.layers.Dense(2)
+    for alone in (lambda q, d, w: tf.reduce_mean(tf.square(dense(LSTM(_sequence(q))) - d[:, :2])),
+                  lambda q, d, w: tf.nn.softmax(GRU(_sequence(q)), axis=-1),
+                  lambda q, d, w: tf.keras.losses.cosine_similarity(LSTM(_sequence(q)), d),
+                  lambda q, d, w: tf.map_fn(lambda r: r - tf.reduce_mean(r), q),
+                  lambda q, d, w: tf.while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, tf.nn.softmax(h @ w)),
+                                                (0, q))[1]):
+        assert _refusal(alone) is None
 
 
 def test_rows_meeting_in_a_branch_not_taken_or_alone_in_a_function_run():
@@ -407,6 +446,16 @@ def _assert_equal(ref, got, names=("subclassed", "functional")):
         assert a.files == b.files, name
         for key in a.files:  # weights, then both epochs' losses and the evaluated loss
             np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-6, err_msg=f"{name}: {key}")
+
+
+@pytest.mark.multiprocess
+def test_queries_of_an_lstm_tower_centered_over_the_worker_s_own_rows_are_refused(tmp_path):
+    # Past the LSTM's loop over the time steps: before, its outputs had unknown rows, and each worker trained
+    # silently apart from one process.
+    _assert_refused(tmp_path, ["kparallax", "lstm_centered"], (
+        "Rows of the batch meet in retrieval/sub (Sub combines rows of (None, 4) with Mean over the rows of the batch",
+        "Received: that op in the training step of a job of 2 workers. Compute it per row, or over every worker: "
+        "gather the rows with kp.all_gather(value) first"))
 
 
 @pytest.mark.multiprocess

@@ -424,13 +424,16 @@ def captured_from(tensor):
 def called_graphs(op):
     """The graphs of the functions graph op ``op`` calls with its inputs, in order, or None: a ``tf.function``'s body
     (``PartitionedCall`` / ``StatefulPartitionedCall``: its inputs, captures last, are the body's ``inputs``) and a
-    ``tf.cond``'s two branches (``If`` / ``StatelessIf``: the inputs after the predicate). TF 2.15: the graph's
+    ``tf.cond``'s two branches (``If`` / ``StatelessIf``: the inputs after the predicate) and a ``tf.while_loop``'s
+    body (``While`` / ``StatelessWhile``: the loop's variables in, their next values out). TF 2.15: the graph's
     function library gives each name's ``AtomicFunction``, whose ``graph`` is the body's ``FuncGraph``; None where
     one is not found (a function of another library, an op of another type)."""
     if op.type in ("PartitionedCall", "StatefulPartitionedCall"):
         names = [op.get_attr("f").name]
     elif op.type in ("If", "StatelessIf"):
         names = [op.get_attr("then_branch").name, op.get_attr("else_branch").name]
+    elif op.type in ("While", "StatelessWhile"):
+        names = [op.get_attr("body").name]
     else:
         return None
     graphs = []

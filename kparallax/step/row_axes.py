@@ -7,14 +7,19 @@ order they were made, and gives each output one of:
 - ``STATISTIC``: a reduction over the rows (a per-column mean, the batch's maximum, a loss's mean; a product
   summing over them, ``a^T @ b``, a Gram matrix of the batch, in the forward pass), and what is computed from it and
   values without rows;
-- ``UNKNOWN``: anything else the batch reaches (an op not followed here, a loop, a collective, several rows'
-  values joined into one entry by a reshape). Nothing is refused from it.
+- ``UNKNOWN``: anything else the batch reaches (an op not followed here, a collective, several rows' values
+  joined into one entry by a reshape, the rows made a list's elements as ``tf.map_fn`` does). Nothing is refused
+  from it.
+A list of tensors (a ``TensorArray``, a variant handle) made of a tensor's slices along an axis after the rows'
+gets ``Listed``: its elements' rows' axis (a Keras RNN's time steps).
 
 A function the step calls (a ``tf.function`` of the user's, a ``tf.cond``'s branches) is followed inside: its
 inputs' axes are given to its body's placeholders and its outputs get its body's outputs' (a cond's branches
 agreeing, else ``UNKNOWN``). Rows meeting inside are meetings of the call (``Meeting.calls``), checked at run time
 on the call's inputs that hold the batch's rows (``Meeting.checked``), the body's tensors being out of the step's
-reach. A function called in a tape's backward pass, and a ``while`` loop's body, are not followed.
+reach. A ``while`` loop's body (a Keras RNN's over its time steps) is followed from the loop's inputs until its
+variables' axes settle, and its meetings are the loop's. A function or loop in a tape's backward pass is not
+followed.
 
 A reshape may split each row's values into several entries of the rows' axis (``[B, T, V] -> [B * T, V]``, as a
 sequence's cross-entropy does) and join them back (``[B * T] -> [B, T]``): ``entries`` counts them.
@@ -75,7 +80,9 @@ _BATCH_FIRST = {"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MaxPool", "MaxPool
                 "AvgPool3D", "FusedBatchNormV3", "FusedBatchNorm", "LRN"}
 PRODUCTS = {"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"}
 _BRANCHES = {"If", "StatelessIf"}  # a tf.cond: (predicate, inputs...), its branches called with the inputs
+_LOOPS = {"While", "StatelessWhile"}  # a tf.while_loop: its variables in and out, its body called with them
 _CALLS = {"PartitionedCall", "StatefulPartitionedCall"} | _BRANCHES
+_ROUNDS = 4  # a loop's body followed until its variables' axes settle, at most this many times
 _DEEPEST = 8  # functions called inside functions: followed this many levels deep
 _SOFTMAX = {"Softmax", "LogSoftmax"}
 _CUMULATIVE = {"Cumsum", "Cumprod", "CumulativeLogsumexp"}
@@ -116,6 +123,14 @@ class Meeting:
         return self.held if self.calls else self.rows
 
 
+@dataclasses.dataclass(frozen=True)
+class Listed:
+    """The rows' axis of a list of tensors (a ``TensorArray``'s, a ``tf.while_loop``'s list; a variant handle):
+    ``element``, each element's rows' axis (a Keras RNN's inputs, one time step each, and its outputs)."""
+
+    element: object
+
+
 class RowAxes:
     """Where the batch ``data``'s rows lie in the tensors of a step traced after it; see the module docstring.
     ``apart``: tensors (refs) to take as ``UNKNOWN`` (each worker's own statistics on request, a gather's output)."""
@@ -128,6 +143,7 @@ class RowAxes:
         self.meetings = []
         self.reductions = []  # the ops reducing the batch's rows (statistics' sources)
         self._merged = {}  # a tensor's ref -> the entries per row of the batch on its rows' axis, when more than 1
+        self._listed_from = {}  # a list's ref -> (the tensor it was made of, that tensor's rows' axis)
 
     def follow(self, ops):
         """Follows graph ``ops`` (each after the ops it reads), recording ``meetings``. The outputs of
@@ -165,7 +181,7 @@ class RowAxes:
     def _merge(self, op, axes, outputs):
         """``outputs`` (the rows' axes of ``op``'s outputs), recording the entries per row of those with rows: a
         reshape's own (``_reshape``), or those of the inputs with rows (``UNKNOWN`` where they differ)."""
-        if op.type == "Reshape" or op.type in _CALLS:  # their own (``_reshape``, ``_called``)
+        if op.type == "Reshape" or op.type in _CALLS or op.type in _LOOPS:  # their own (``_reshape``, ``_called``)
             return outputs
         entries = {self.entries(x) for x, a in zip(op.inputs, axes) if isinstance(a, int)}
         if len(entries) > 1:
@@ -230,6 +246,93 @@ class RowAxes:
             return [0 if axes[0] == 0 and axes[1] in (0, None) else UNKNOWN] * 2
         if kind in _CALLS:
             return self._called(op, axes)
+        if kind in _LOOPS:
+            return self._looped(op, axes)
+        if kind in _LISTS:
+            return self._listed(op, axes)
+        return [UNKNOWN] * len(op.outputs)
+
+    def _held(self, inputs):
+        """The pairs (tensor, axis) of ``inputs`` (pairs (tensor, its axis)) holding the batch's rows, a list's as
+        the tensor it was made of."""
+        held = [(x, a) for x, a in inputs if isinstance(a, int)]
+        held += [self._listed_from[x.ref()] for x, a in inputs
+                 if isinstance(a, Listed) and x.ref() in self._listed_from]
+        return tuple(held)
+
+    def _inner(self, body, inputs):
+        """A ``RowAxes`` of function graph ``body`` whose placeholders get the rows of ``inputs`` (pairs (tensor,
+        axis) of this graph), followed."""
+        inner = RowAxes((), depth=self._depth + 1)
+        for placeholder, (x, axis) in zip(body.inputs, inputs):
+            if axis is not None:
+                inner._axes[placeholder.ref()] = axis
+            if self.entries(x) > 1:
+                inner._merged[placeholder.ref()] = self.entries(x)
+            if x.ref() in self._sources:
+                inner._sources[placeholder.ref()] = self._sources[x.ref()]
+        inner.follow(body.get_operations())
+        return inner
+
+    def _record(self, op, inner, held, when=()):
+        """Records ``inner``'s meetings (in a function ``op`` calls) as meetings of ``op``, checked on ``held``."""
+        for meeting in inner.meetings:
+            checked = held or meeting.checked  # no rows passed in: a statistic's, this graph's reduced tensor
+            if all(t.graph is op.graph for t, _ in checked):
+                self.meetings.append(dataclasses.replace(meeting, calls=(op, *meeting.calls), held=checked, when=when))
+
+    def _looped(self, op, axes):
+        """A ``while`` loop's outputs (its variables after it): the body followed from the loop's inputs until its
+        variables' axes settle (a state without rows at first, ``tf.zeros`` of the batch's size, holds them after
+        one step); the meetings of the last pass recorded as the loop's. ``UNKNOWN`` where they do not settle."""
+        unknown = [UNKNOWN] * len(op.outputs)
+        bodies = tf_compat.called_graphs(op)
+        if (not bodies or self._depth >= _DEEPEST or BACKWARD in f"/{op.name}"
+                or any(self.entries(x) > 1 for x in op.inputs)
+                or len(bodies[0].inputs) != len(op.inputs) or len(bodies[0].outputs) != len(op.inputs)):
+            return unknown
+        state = list(axes)
+        for _ in range(_ROUNDS):
+            inner = self._inner(bodies[0], list(zip(op.inputs, state)))
+            after = [_union(a, inner.axis(t)) for a, t in zip(state, bodies[0].outputs)]
+            if after == state:
+                self._record(op, inner, self._held(list(zip(op.inputs, axes))))
+                for x, y in zip(op.inputs, op.outputs):  # a list's tensor, for the checks of what reads it
+                    if x.ref() in self._listed_from:
+                        self._listed_from[y.ref()] = self._listed_from[x.ref()]
+                return state
+            state = after
+        return unknown
+
+    def _listed(self, op, axes):
+        """A list op's outputs: a tensor's slices along an axis after its rows' made into a list (``Listed``: each
+        element's rows' axis), an element read, written or pushed, the list stacked back (the rows one axis on)."""
+        kind, first = op.type, axes[0]
+        if kind == "TensorListFromTensor":
+            if not isinstance(first, int) or first < 1 or axes[1] is not None:
+                return [UNKNOWN]
+            self._listed_from[op.outputs[0].ref()] = (op.inputs[0], first)
+            return [Listed(first - 1)]
+        if kind in ("TensorListLength", "TensorListElementShape"):
+            return [None]
+        if not isinstance(first, Listed) and first is not None:
+            return [UNKNOWN] * len(op.outputs)
+        if kind in ("TensorListSetItem", "TensorListPushBack"):
+            item = axes[-1]
+            if any(a is not None for a in axes[1:-1]) or not (isinstance(item, int) or item is None):
+                return [UNKNOWN]
+            if op.inputs[0].ref() in self._listed_from:
+                self._listed_from[op.outputs[0].ref()] = self._listed_from[op.inputs[0].ref()]
+            merged = _union(first, Listed(item) if item is not None else None)
+            return [merged if isinstance(merged, Listed) else UNKNOWN]
+        if first is None or any(a is not None for a in axes[1:]):
+            return [UNKNOWN] * len(op.outputs)
+        if kind == "TensorListGetItem":
+            return [first.element]
+        if kind == "TensorListPopBack":
+            return [first, first.element]
+        if kind == "TensorListStack" and isinstance(first.element, int):
+            return [first.element + 1]
         return [UNKNOWN] * len(op.outputs)
 
     def _called(self, op, axes):
@@ -241,25 +344,12 @@ class RowAxes:
         if (not bodies or self._depth >= _DEEPEST or BACKWARD in f"/{op.name}"
                 or any(len(b.inputs) != len(inputs) or len(b.outputs) != len(op.outputs) for b in bodies)):
             return unknown
-        held = tuple((x, a) for x, a in inputs if isinstance(a, int))
+        held = self._held(inputs)
         results = []
         for body in bodies:
-            inner = RowAxes((), depth=self._depth + 1)
-            for placeholder, (x, axis) in zip(body.inputs, inputs):
-                if axis is not None:
-                    inner._axes[placeholder.ref()] = axis
-                if self.entries(x) > 1:
-                    inner._merged[placeholder.ref()] = self.entries(x)
-                if x.ref() in self._sources:
-                    inner._sources[placeholder.ref()] = self._sources[x.ref()]
-            inner.follow(body.get_operations())
+            inner = self._inner(body, inputs)
             # A branch's meetings are checked in the steps that take it (a cond inside a function: in every step).
-            when = ((op.inputs[0], body is bodies[0]),) if op.type in _BRANCHES else ()
-            for meeting in inner.meetings:
-                checked = held or meeting.checked  # no rows passed in: a statistic's, this graph's reduced tensor
-                if all(t.graph is op.graph for t, _ in checked):
-                    self.meetings.append(dataclasses.replace(meeting, calls=(op, *meeting.calls), held=checked,
-                                                             when=when))
+            self._record(op, inner, held, ((op.inputs[0], body is bodies[0]),) if op.type in _BRANCHES else ())
             results.append([(inner.axis(t), inner.entries(t), inner._sources.get(t.ref())) for t in body.outputs])
         outputs = []
         for tensor, (axis, entries, source), *others in zip(op.outputs, *results):
@@ -445,6 +535,18 @@ def _nonlinear(op, axes):
     if op.type in _QUOTIENTS:
         return axes[1] == STATISTIC
     return op.type in _NONLINEAR and STATISTIC in axes
+
+
+_LISTS = {"TensorListFromTensor", "TensorListGetItem", "TensorListSetItem", "TensorListPushBack",
+          "TensorListPopBack", "TensorListStack", "TensorListLength", "TensorListElementShape"}
+
+
+def _union(a, b):
+    """The rows' axis of a value that is either of two with axes ``a`` and ``b`` (a loop's variable before and after
+    a step of it): the one with rows if the other has none, ``UNKNOWN`` if they differ otherwise."""
+    if a == b or b is None:
+        return a
+    return b if a is None else UNKNOWN
 
 
 def _alone(axes):

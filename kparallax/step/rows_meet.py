@@ -13,7 +13,7 @@ b^T``: ``tf.matmul(a, b, transpose_b=True)``, ``a @ tf.transpose(b)``, ``tf.eins
 check in the step: it fails at the first step when both sides have as many rows as the worker's batch. A side read
 from ``kp.all_gather``'s output (``gathered``) is not checked; a side of sampled candidates (a sampled softmax's)
 has its sample's rows, so it passes. Products in functions of their own (a ``tf.function`` the step calls, a loop's
-body) are not seen (the meetings below are: ``row_axes`` follows calls).
+body) are not seen (the meetings below are: ``row_axes`` follows calls and loops).
 
 Rows that meet in other ways (``row_axes``: a statistic over the batch combined with its rows, a softmax over the
 batch axis, pairwise differences, a cumulative sum along the rows) get the same kind of check: it fails when the
@@ -203,7 +203,8 @@ def _meeting_message(meeting, where):
     """A meeting's error (``row_axes``), naming the op (and the calls of the functions it is in), how the rows meet
     there, and the fix."""
     op, (x, axis) = meeting.op, meeting.rows[0]
-    inside = "".join(f", in the function called by {c.name}" for c in reversed(meeting.calls))
+    inside = "".join(f", in the body of the loop {c.name}" if c.type in ("While", "StatelessWhile")
+                     else f", in the function called by {c.name}" for c in reversed(meeting.calls))
     inside += "," if inside else ""
     if meeting.kind == "statistic":
         how = (f"{op.type} combines rows of {x.shape} with {meeting.source.type} over the rows of the batch in "

@@ -13,7 +13,8 @@ losses for the subclassed model and their sum for the functional one (default: t
 OPTION "centered" (both modes): the queries' embeddings are centered by their mean over the global batch, taken from
 kp.all_gather's rows under kparallax; "centered_own" (MODE=kparallax): by their mean over the worker's own rows
 (kparallax refuses it); "centered_in_function" (MODE=kparallax): the same, in a tf.function of its own that the
-training step calls (refused too).
+training step calls (refused too); "lstm_centered" (MODE=kparallax): the towers pool with a Keras LSTM instead of a
+mean, and the queries are centered over the worker's own rows (refused too).
 The model is built twice, subclassed and functional; writes OUT_DIR/subclassed.npz and OUT_DIR/functional.npz
 (weights, then the epoch losses and the evaluated loss) from worker 0 (or the one process).
 """
@@ -32,11 +33,11 @@ class Retrieval(tf.keras.Model):
     """Queries and candidates (id lists) pooled from one shared table into two Dense towers; logits are every
     query's scores against the candidates of the batch (``gather``ed)."""
 
-    def __init__(self, gather, center=None):
+    def __init__(self, gather, center=None, pool=tf.keras.layers.GlobalAveragePooling1D):
         super().__init__()
         self.gather, self.center = gather, center
         self.table = tf.keras.layers.Embedding(VOCAB, EMB)
-        self.pool = tf.keras.layers.GlobalAveragePooling1D()
+        self.pool = pool()
         # No bias on the candidate tower: adding one vector to every candidate shifts a query's logits alike, so its
         # gradient is zero but for rounding, which Adam would blow up into steps of its learning rate.
         # Nor on the query tower when its rows are centered, which cancels it.
@@ -49,11 +50,11 @@ class Retrieval(tf.keras.Model):
         return tf.matmul(q, self.gather(d), transpose_b=True)
 
 
-def functional(gather, center=None):
+def functional(gather, center=None, pool=tf.keras.layers.GlobalAveragePooling1D):
     """The same towers as a functional model: ``gather`` applied to a Keras tensor while it is built, ``center`` in a
     Lambda layer."""
     queries, candidates = tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.Input((LEN,), dtype=tf.int32)
-    table, pool = tf.keras.layers.Embedding(VOCAB, EMB), tf.keras.layers.GlobalAveragePooling1D()
+    table, pool = tf.keras.layers.Embedding(VOCAB, EMB), pool()
     q = tf.keras.layers.Dense(4, use_bias=center is None)(pool(table(queries)))
     q = q if center is None else tf.keras.layers.Lambda(center)(q)
     d = tf.keras.layers.Dense(4, use_bias=False)(pool(table(candidates)))
@@ -111,12 +112,13 @@ def main(out_dir, mode, *options):
         ("subclassed", Retrieval), ("functional", functional))
     row_gather = gather if "centered" in options else (lambda value: value)
     center = ((lambda value: value - tf.reduce_mean(row_gather(value), axis=0))
-              if {"centered", "centered_own"} & set(options) else None)
+              if {"centered", "centered_own", "lstm_centered"} & set(options) else None)
+    pool = (lambda: tf.keras.layers.LSTM(EMB)) if "lstm_centered" in options else tf.keras.layers.GlobalAveragePooling1D
     if "centered_in_function" in options:
         center = tf.function(lambda value: value - tf.reduce_mean(value, axis=0))
     for name, build in models:
         with scope():
-            model = build(gather, center)
+            model = build(gather, center, pool)
             model([queries[:2], candidates[:2]])
             init = np.random.default_rng(21)
             model.set_weights([init.normal(scale=0.3, size=w.shape).astype(np.float32) for w in model.get_weights()])
