@@ -196,16 +196,41 @@ def _sequence(t, steps=5):
     return t[:, None, :] * tf.ones([1, steps, 1])
 
 
+RNNS = {}  # the layers of the test running (``rnns``)
+
+
+@pytest.fixture(name="rnns")
+def _rnns():
+    """A Keras LSTM and GRU of 3 units made by each test, eagerly: made at import, another test's tf.compat.v1 graph
+    would leave them invalid; made in the step, tf.function's second trace would refuse their variables."""
+    RNNS.update(lstm=tf.keras.layers.LSTM(3), gru=tf.keras.layers.GRU(3, return_sequences=True))
+    yield RNNS
+    RNNS.clear()
+
+
+def _lstm(t):
+    """The LSTM's last output [B, 3] over ``t`` [B, 3] repeated over 5 time steps."""
+    return RNNS["lstm"](_sequence(t))
+
+
+def _gru_sequences(t):
+    """The GRU's outputs at every time step, [B, 5, 3], of ``t`` repeated over 5 time steps."""
+    return RNNS["gru"](_sequence(t))
+
+
+def _by_batch_maximum(t):
+    return t / tf.reduce_max(t, axis=0)
+
+
 # Rows meeting past a Keras RNN, whose loop over the time steps (a while loop over lists of the steps' rows)
 # row_axes follows: its outputs keep the batch's rows.
-LSTM, GRU = tf.keras.layers.LSTM(3), tf.keras.layers.GRU(3, return_sequences=True)
 MEETINGS_PAST_A_LOOP = {
-    "an_lstm_s_output_centered": (lambda q, d, w: _center(LSTM(_sequence(q))),
+    "an_lstm_s_output_centered": (lambda q, d, w: _center(_lstm(q)),
                                   "Rows of the batch meet in sub (Sub combines rows of ("),
     "a_gru_s_sequences_normalized_by_their_batch_maximum": (
-        lambda q, d, w: GRU(_sequence(q)) / tf.reduce_max(GRU(_sequence(q)), axis=0),
+        lambda q, d, w: _by_batch_maximum(_gru_sequences(q)),
         "Rows of the batch meet in truediv (RealDiv combines rows of ("),
-    "a_softmax_over_an_lstm_s_rows": (lambda q, d, w: tf.nn.softmax(LSTM(_sequence(q)), axis=0),
+    "a_softmax_over_an_lstm_s_rows": (lambda q, d, w: tf.nn.softmax(_lstm(q), axis=0),
                                       "(Softmax along the rows of the batch"),
     "a_state_summed_over_a_while_loop_then_centered": (
         lambda q, d, w: _center(tf.while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, h + q @ w),
@@ -214,6 +239,7 @@ MEETINGS_PAST_A_LOOP = {
 }
 
 
+@pytest.mark.usefixtures("rnns")
 @pytest.mark.parametrize("name", sorted(MEETINGS_INSIDE) + sorted(MEETINGS_PAST_A_LOOP))
 def test_rows_meeting_inside_a_function_the_step_calls_or_past_a_loop_are_refused_on_several_workers(name):
     # Before, a call and a loop were tensors of unknown rows: these trained silently apart from one process.
@@ -225,13 +251,14 @@ def test_rows_meeting_inside_a_function_the_step_calls_or_past_a_loop_are_refuse
     assert _refusal(meet, workers=1) is None
 
 
+@pytest.mark.usefixtures("rnns")
 def test_per_row_work_past_a_keras_rnn_or_a_while_loop_runs():
     # An RNN's outputs per row (a dense layer, a loss's mean, its sequences' per-step softmax), a loop over the
     # columns' lists (tf.map_fn over each row: the rows become the list's elements, not followed) meet nothing.
     dense = tf.keras.layers.Dense(2)
-    for alone in (lambda q, d, w: tf.reduce_mean(tf.square(dense(LSTM(_sequence(q))) - d[:, :2])),
-                  lambda q, d, w: tf.nn.softmax(GRU(_sequence(q)), axis=-1),
-                  lambda q, d, w: tf.keras.losses.cosine_similarity(LSTM(_sequence(q)), d),
+    for alone in (lambda q, d, w: tf.reduce_mean(tf.square(dense(_lstm(q)) - d[:, :2])),
+                  lambda q, d, w: tf.nn.softmax(_gru_sequences(q), axis=-1),
+                  lambda q, d, w: tf.keras.losses.cosine_similarity(_lstm(q), d),
                   lambda q, d, w: tf.map_fn(lambda r: r - tf.reduce_mean(r), q),
                   lambda q, d, w: tf.while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, tf.nn.softmax(h @ w)),
                                                 (0, q))[1]):
