@@ -449,6 +449,12 @@ def called_graphs(op):
     return graphs
 
 
+def add_control_inputs(op, controls):
+    """Makes graph op ``op``, already made, run only after the ops ``controls`` of its graph (TF 2.15:
+    ``Operation._add_control_inputs``, before the graph becomes a function)."""
+    op._add_control_inputs(controls)  # pylint: disable=protected-access
+
+
 def computed_from(tensor):
     """The tensors graph tensor ``tensor`` is computed from: for a placeholder a tf.function or cond/while body
     captured, the enclosing graph's tensor (``captured_from``); else its op's inputs. Nothing for an eager value or

@@ -400,6 +400,12 @@ def _train_step(original, model, data):
     replica context's ``all_gather`` and a user's ``all_reduce``, which would gather and reduce nothing, are refused
     (``step/replica_context.py``), and so are the batch's rows scored against each other without ``kp.all_gather``
     (``step/rows_meet.py``)."""
+    with rows_meet.checked_first():
+        return _synchronous_step(original, model, data)
+
+
+def _synchronous_step(original, model, data):
+    """``_train_step`` but for its checks' order (``rows_meet.checked_first``)."""
     state = compiled(model)
     strategy = state.strategy
     iterations = model.optimizer.iterations.read_value()  # before this step's update (program order)

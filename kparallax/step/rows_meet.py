@@ -27,6 +27,9 @@ root mean squared error as the loss, a loss divided by a statistic of the batch)
 of the reduced tensor, where a loss the step's tapes differentiate is computed from it (their ``tape.gradient``
 targets, recorded while the step is traced): a root of a mean logged beside the loss changes no weight. A loss
 function compiled with the model gets here only what ``batch_statistics`` could not make global.
+
+The step's Horovod collectives that its checks do not read run after them (``checked_first``), so each worker fails
+on its own check, not in a collective another worker's failed check left.
 """
 
 import contextlib
@@ -93,7 +96,58 @@ def refused(num_workers, micro_batches, data):
     for held, when, message in checks:  # each held tensor with as many rows as the batch (times its entries per row)
         every = tf.reduce_all(tf.stack([tf.equal(tf.shape(t)[axis], rows * axes.entries(t)) for t, axis in held]
                                        + [tf.equal(tf.cast(p, tf.bool), taken) for p, taken in when]))
-        tf.debugging.Assert(tf.logical_not(every), [message])
+        check = tf.debugging.Assert(tf.logical_not(every), [message])
+        if getattr(_ACTIVE, "asserts", None) is not None:
+            _ACTIVE.asserts.append(check if isinstance(check, tf.Operation) else check.op)
+
+
+@contextlib.contextmanager
+def checked_first():
+    """While the training step is traced (around ``refused`` and every collective the step makes after it, its
+    logs' and its barrier's too): each Horovod collective of the step that the checks ``refused`` made do not read
+    waits for them. Without that, a worker whose check failed left Horovod while another, its own check not yet
+    run, waited in a collective of the step: that one failed naming the other worker instead of the refusal
+    (seen on a model whose rows meet past a Keras LSTM, in half the runs)."""
+    if tf.executing_eagerly():
+        yield
+        return
+    graph = tf.compat.v1.get_default_graph()
+    first = len(graph.get_operations())
+    outer = getattr(_ACTIVE, "asserts", None)
+    _ACTIVE.asserts = []
+    try:
+        yield
+        asserts = _ACTIVE.asserts
+    finally:
+        _ACTIVE.asserts = outer
+    asserts = [check for check in asserts if check.graph is graph]  # not a branch's or a loop's own
+    if not asserts:
+        return
+    upstream = _upstream(asserts)
+    for op in graph.get_operations()[first:]:
+        if op.name not in upstream and _collective(op):
+            tf_compat.add_control_inputs(op, asserts)
+
+
+def _upstream(ops):
+    """Names of the graph ops ``ops`` are computed from (their inputs' and control inputs' ops, transitively), and
+    theirs."""
+    names, stack = set(), list(ops)
+    while stack:
+        op = stack.pop()
+        if op.name in names:
+            continue
+        names.add(op.name)
+        stack.extend(x.op for x in op.inputs)
+        stack.extend(op.control_inputs)
+    return names
+
+
+def _collective(op):
+    """Whether graph op ``op`` is a Horovod collective or calls a function (a loop's body, a branch) holding one."""
+    if op.type.startswith("Horovod"):
+        return True
+    return any(_collective(inner) for graph in tf_compat.called_graphs(op) or () for inner in graph.get_operations())
 
 
 def install():
