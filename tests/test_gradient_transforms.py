@@ -1,7 +1,7 @@
 """Which transformations of a custom train_step's gradients kparallax averages as they are, replays on averaged tape
 outputs, or refuses (``kparallax/step/gradient_transforms.py``), read from traced graphs in one process. That the
 replayed ones train as one process does is checked on 2 workers by ``test_keras_programs.py``
-(``clipped_gradients``, ``clipped_with_table``), the refusals by ``test_launcher.py``."""
+(``clipped_gradients``, ``clipped_by_tf_gradients``, ``clipped_with_table``), the refusals by ``test_launcher.py``."""
 
 import re
 
@@ -39,9 +39,11 @@ def _dense(clip):
     return lambda grads, loss: grads[:1] + list(clip(grads[1:]))
 
 
-def _planned(transform, on_ps=None, clipping=False, eager=False, ps_averages=True, stripe_of=None):
+def _planned(transform, on_ps=None, clipping=False, eager=False, ps_averages=True, stripe_of=None,
+             graph_gradients=False):
     """Traces a step whose gradients ``transform(grads, loss)`` changes (or runs it eagerly), then ``plan`` on 2
-    workers: the positions it replays (or None)."""
+    workers: the positions it replays (or None). The gradients taken by the step's tape, or by ``tf.gradients`` if
+    ``graph_gradients``."""
     result = {}
     on_ps = (V.table,) if on_ps is None else on_ps
 
@@ -51,7 +53,8 @@ def _planned(transform, on_ps=None, clipping=False, eager=False, ps_averages=Tru
                 hidden = tf.reduce_mean(tf.nn.embedding_lookup(V.table, ids), axis=1)
                 loss = tf.reduce_mean(tf.square(tf.matmul(hidden, V.kernel) + V.bias))
             variables = [V.table, V.kernel, V.bias]
-            grads = transform(tape.gradient(loss, variables), loss)
+            grads = transform(tf.gradients(loss, variables) if graph_gradients else tape.gradient(loss, variables),
+                              loss)
             replay = gradient_transforms.plan(list(zip(grads, variables)), lambda v: any(v is p for p in on_ps), 2,
                                               clipping=clipping, ps_averages=ps_averages, stripe_of=stripe_of)
         result["replayed"] = None if replay is None else [j for j, (g, _) in enumerate(replay.local) if g is None]
@@ -89,6 +92,15 @@ def test_affine_transformations_are_averaged_as_they_are(name, transform):
 ])
 def test_other_transformations_of_replicated_gradients_are_replayed(name, transform, replayed):
     assert _planned(transform) == replayed, name
+
+
+def test_gradients_taken_by_tf_gradients_are_replayed_as_the_tape_s():
+    # Before, tf.gradients' outputs were not seen as gradients: a global norm clipped each worker's own gradients and
+    # a custom train_step trained apart from one process, silently (keras_programs' clipped_by_tf_gradients: 0.028
+    # off after 2 epochs).
+    assert _planned(_dense(lambda gs: tf.clip_by_global_norm(gs, 0.1)[0]), graph_gradients=True) == [1, 2]
+    assert _planned(lambda grads, loss: tf.clip_by_global_norm(grads, 0.1)[0], graph_gradients=True) == [0, 1, 2]
+    assert _planned(lambda grads, loss: [grads[0]] + [g * 0.5 for g in grads[1:]], graph_gradients=True) is None
 
 
 @pytest.mark.parametrize("table_on_ps", [False, True], ids=["replicated table", "table on the PS"])

@@ -1,4 +1,4 @@
-"""Ordinary Keras programs (custom train_steps clipping their gradients, also under mixed_float16 and with a second optimizer, dict inputs + AUC, Metric subclasses of a user's own, Keras' metrics with array results (F1Score per class) with validation, tf.SparseTensor and ragged inputs, a keras.utils.Sequence (also loaded by 2 threads, reshuffled once per epoch) and a generator, tf.data of unknown length and of known length with sample weights, class_weight with a regularized table,
+"""Ordinary Keras programs (custom train_steps clipping their gradients (taken by a tape, and by tf.gradients), also under mixed_float16 and with a second optimizer, dict inputs + AUC, Metric subclasses of a user's own, Keras' metrics with array results (F1Score per class) with validation, tf.SparseTensor and ragged inputs, a keras.utils.Sequence (also loaded by 2 threads, reshuffled once per epoch) and a generator, tf.data of unknown length and of known length with sample weights, class_weight with a regularized table,
 mask_zero + LSTM with validation_split and Keras callbacks, a custom train_step, an adapted TextVectorization, the lookup/hashing/normalization/discretization layers, two models sharing a layer,
 ModelCheckpoint/CSVLogger/TensorBoard(histograms)/BackupAndRestore, mixed_float16, BatchNormalization with global
 statistics, mixed_bfloat16, losses reduced by "sum" and "none", loss and metric functions returning one scalar (a sum, a mean), a model trained by add_loss alone, a dataset with a partial last batch (compiled losses; a custom train_step's own loss through BatchNormalization and an activity regularizer), masked per-step losses (mask_zero, ignore_class), a gradient penalty on the inputs (a tape in the tape) minimized with optimizer.minimize, weighted_metrics, Conv1D + GRU with validation_data and
@@ -22,7 +22,7 @@ from kparallax import testing
 from programs import keras_programs
 
 PROGRAMS = os.path.join(os.path.dirname(__file__), "programs")
-SHARDS = 3  # each part runs in its own job under its own timeout (all 58 programs in one took ~280 s of 300; 66 now)
+SHARDS = 3  # each part runs in its own job under its own timeout (all 58 programs in one took ~280 s of 300; 67 now)
 
 
 @pytest.mark.multiprocess

@@ -314,10 +314,11 @@ def test_rows_meeting_in_a_branch_not_taken_or_alone_in_a_function_run():
     assert _refusal(lambda q, d, w: tf.function(_center)(d), gathered=True) is None
 
 
-def _loss_refusal(loss, rows=None, workers=2, micro_batches=1, logged=None):
+def _loss_refusal(loss, rows=None, workers=2, micro_batches=1, logged=None, graph_gradients=False):
     """Trains a [3, 1] kernel ``w`` one step on ``loss(q, d, w)`` of a batch (q, d) of 4 rows x 3, traced with ``rows``
     rows (None: unknown) under ``rows_meet.refused`` (returning ``logged(q, d, w)`` too, if given): the check's
-    message, or None when the step runs."""
+    message, or None when the step runs. Its gradient taken by a tape, or by ``tf.gradients`` if
+    ``graph_gradients``."""
     kernel = tf.Variable(tf.fill([3, 1], 0.3))
 
     @tf.function(input_signature=[tf.TensorSpec([rows, 3], tf.float32)] * 2)
@@ -325,7 +326,8 @@ def _loss_refusal(loss, rows=None, workers=2, micro_batches=1, logged=None):
         with rows_meet.refused(workers, micro_batches, (q, d)):
             with tf.GradientTape() as tape:
                 value = loss(q, d, kernel)
-            kernel.assign_sub(0.1 * tape.gradient(value, kernel))
+            gradient = tf.gradients(value, kernel)[0] if graph_gradients else tape.gradient(value, kernel)
+            kernel.assign_sub(0.1 * gradient)
             return value if logged is None else (value, logged(q, d, kernel))
 
     try:
@@ -372,8 +374,9 @@ def test_a_nonlinear_function_of_a_batch_statistic_in_the_loss_is_refused_on_sev
     # loss trained silently apart from one process (a sparsity penalty on the batch's mean activation: 7.5e-5 off
     # after 3 epochs on 2 workers). Outside compiled loss functions, which run with global statistics, it is refused.
     loss, fragment = NONLINEAR_LOSSES[name]
-    for rows in (None, 4):
-        message = _loss_refusal(loss, rows)
+    for rows, graph_gradients in ((None, False), (4, False), (None, True)):
+        # a tf.gradients target too (before, only a tape's were seen: such a loss trained silently)
+        message = _loss_refusal(loss, rows, graph_gradients=graph_gradients)
         assert message is not None and "A statistic of the batch reaches the loss " + fragment in message, (
             rows, message)
         assert ("Received: that op in the training step of a job of 2 workers. Take the statistic over every "

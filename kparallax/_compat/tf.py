@@ -20,6 +20,7 @@ from tensorflow.python.framework import func_graph as _func_graph
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import gen_math_ops as _gen_math
 from tensorflow.python.ops import gen_resource_variable_ops as _gen_rv
+from tensorflow.python.ops import gradients_util as _gradients_util
 from tensorflow.python.ops import handle_data_util as _handle_data_util
 from tensorflow.python.ops import resource_variable_ops as _rv
 
@@ -223,19 +224,28 @@ def _swapped(owners, name, value):
 
 
 def recording_gradients(record):
-    """While active, every ``tf.GradientTape.gradient`` call in this process hands ``record(target, sources,
-    gradients)`` what it was asked and what it returns (then returns it). The public method is swapped on
-    TensorFlow's class (``tensorflow.python.eager.backprop.GradientTape``, which ``tf.GradientTape`` is) for the
-    duration: Keras' ``train_step`` and a user's reach it through ``tape.gradient`` or an optimizer's
-    ``compute_gradients``."""
+    """While active, every ``tf.GradientTape.gradient`` call and every ``tf.gradients`` call (``tf.compat.v1`` too)
+    in this process hands ``record(target, sources, gradients)`` what it was asked and what it returns (then returns
+    it). Swapped for the duration: the public method on TensorFlow's class
+    (``tensorflow.python.eager.backprop.GradientTape``, which ``tf.GradientTape`` is), which Keras' ``train_step`` and
+    a user's reach through ``tape.gradient`` or an optimizer's ``compute_gradients``; and the graph gradients' helper
+    ``gradients_util._GradientsHelper``, which ``tf.gradients`` calls (and a ``tf.cond``'s or ``tf.while_loop``'s
+    gradient, inside the function of its own: its sources are that function's tensors, not variables)."""
     original = _backprop.GradientTape.gradient
+    helper = _gradients_util._GradientsHelper  # pylint: disable=protected-access
 
     def gradient(self, target, sources, *args, **kwargs):
         result = original(self, target, sources, *args, **kwargs)
         record(target, sources, result)
         return result
 
-    return _swapped([_backprop.GradientTape], "gradient", gradient)
+    def graph_gradients(ys, xs, *args, **kwargs):
+        result = helper(ys, xs, *args, **kwargs)
+        record(ys, xs, result)
+        return result
+
+    return _swapped_each([(_backprop.GradientTape, "gradient", gradient),
+                          (_gradients_util, "_GradientsHelper", graph_gradients)])
 
 
 # Packages whose calls of a replica context's collectives are their own business: Keras' optimizers aggregate

@@ -8,8 +8,9 @@ only when the transformation is affine in the gradients with coefficients that a
 constant factor, mixed precision's loss scale, a sum of gradients); a norm or a clip acted on each worker's gradient
 and trained differently from one process (0.033-0.063 off on the test programs), silently.
 
-While the synchronous step is traced (``recording``), every ``tape.gradient`` result is recorded. ``plan`` looks at
-each gradient reaching the routing optimizer and walks its graph back to the recorded tape outputs:
+While the synchronous step is traced (``recording``), every ``tape.gradient`` and ``tf.gradients`` result is
+recorded (a "tape output" below). ``plan`` looks at each gradient reaching the routing optimizer and walks its graph
+back to the recorded tape outputs:
 
 * a tape output itself, or an affine function of tape outputs with worker-independent coefficients (constants,
   variable reads): averaged as before, since averaging commutes with it;
@@ -80,7 +81,8 @@ def _parts(gradient):
 
 @contextlib.contextmanager
 def recording():
-    """While one synchronous training step is traced: every ``tape.gradient`` result is recorded for ``plan``."""
+    """While one synchronous training step is traced: every ``tape.gradient`` and ``tf.gradients`` result is recorded
+    for ``plan``."""
     outer = getattr(_ACTIVE, "leaves", None)
     leaves = _ACTIVE.leaves = {}
 

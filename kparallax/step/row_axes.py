@@ -82,6 +82,8 @@ PRODUCTS = {"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"}
 _BRANCHES = {"If", "StatelessIf"}  # a tf.cond: (predicate, inputs...), its branches called with the inputs
 _LOOPS = {"While", "StatelessWhile"}  # a tf.while_loop: its variables in and out, its body called with them
 _CALLS = {"PartitionedCall", "StatefulPartitionedCall"} | _BRANCHES
+_LISTS = {"TensorListFromTensor", "TensorListGetItem", "TensorListSetItem", "TensorListPushBack",
+          "TensorListPopBack", "TensorListStack", "TensorListLength", "TensorListElementShape"}  # lists of tensors
 _ROUNDS = 4  # a loop's body followed until its variables' axes settle, at most this many times
 _DEEPEST = 8  # functions called inside functions: followed this many levels deep
 _SOFTMAX = {"Softmax", "LogSoftmax"}
@@ -297,12 +299,17 @@ class RowAxes:
             after = [_union(a, inner.axis(t)) for a, t in zip(state, bodies[0].outputs)]
             if after == state:
                 self._record(op, inner, self._held(list(zip(op.inputs, axes))))
-                for x, y in zip(op.inputs, op.outputs):  # a list's tensor, for the checks of what reads it
-                    if x.ref() in self._listed_from:
-                        self._listed_from[y.ref()] = self._listed_from[x.ref()]
+                for x, y in zip(op.inputs, op.outputs):
+                    self._same_list(x, y)
                 return state
             state = after
         return unknown
+
+    def _same_list(self, before, after):
+        """List handle ``after`` (a write's, a loop's output) is ``before`` changed: made of the same tensor, for the
+        checks of what reads it."""
+        if before.ref() in self._listed_from:
+            self._listed_from[after.ref()] = self._listed_from[before.ref()]
 
     def _listed(self, op, axes):
         """A list op's outputs: a tensor's slices along an axis after its rows' made into a list (``Listed``: each
@@ -321,8 +328,7 @@ class RowAxes:
             item = axes[-1]
             if any(a is not None for a in axes[1:-1]) or not (isinstance(item, int) or item is None):
                 return [UNKNOWN]
-            if op.inputs[0].ref() in self._listed_from:
-                self._listed_from[op.outputs[0].ref()] = self._listed_from[op.inputs[0].ref()]
+            self._same_list(op.inputs[0], op.outputs[0])
             merged = _union(first, Listed(item) if item is not None else None)
             return [merged if isinstance(merged, Listed) else UNKNOWN]
         if first is None or any(a is not None for a in axes[1:]):
@@ -535,10 +541,6 @@ def _nonlinear(op, axes):
     if op.type in _QUOTIENTS:
         return axes[1] == STATISTIC
     return op.type in _NONLINEAR and STATISTIC in axes
-
-
-_LISTS = {"TensorListFromTensor", "TensorListGetItem", "TensorListSetItem", "TensorListPushBack",
-          "TensorListPopBack", "TensorListStack", "TensorListLength", "TensorListElementShape"}
 
 
 def _union(a, b):

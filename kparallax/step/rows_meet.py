@@ -24,9 +24,10 @@ meetings are checked: the backward pass meets where it does.
 
 A statistic of the batch taken through a function other than a sum or a scaling (``row_axes``' ``nonlinear``: a
 root mean squared error as the loss, a loss divided by a statistic of the batch) is checked the same way, on the rows
-of the reduced tensor, where a loss the step's tapes differentiate is computed from it (their ``tape.gradient``
-targets, recorded while the step is traced): a root of a mean logged beside the loss changes no weight. A loss
-function compiled with the model gets here only what ``batch_statistics`` could not make global.
+of the reduced tensor, where a loss the step differentiates is computed from it (the targets of its
+``tape.gradient`` and ``tf.gradients`` calls, recorded while the step is traced): a root of a mean logged beside the
+loss changes no weight. A loss function compiled with the model gets here only what ``batch_statistics`` could not
+make global.
 
 The step's Horovod collectives that its checks do not read run after them (``checked_first``), so each worker fails
 on its own check, not in a collective another worker's failed check left.

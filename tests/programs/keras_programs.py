@@ -188,10 +188,11 @@ class ClippedStep(tf.keras.Model):
     LSTM) do: by their global norm (the replicated weights' only, or every gradient with the table's), or ``each``
     by its own norm (``"whole"``: the gradient's, ``"row"``: each row's), and the output bias's by value."""
 
-    def __init__(self, clip_table, each=None):
+    def __init__(self, clip_table, each=None, via_tf_gradients=False):
         super().__init__()
         self.clip_table = clip_table
         self.each = each
+        self.via_tf_gradients = via_tf_gradients
         self.table = tf.keras.layers.Embedding(VOCAB, EMB)
         self.hidden = tf.keras.layers.Dense(8, activation="tanh")
         self.out = tf.keras.layers.Dense(1, dtype="float32")
@@ -206,7 +207,7 @@ class ClippedStep(tf.keras.Model):
             loss = tf.reduce_mean(tf.square(tf.cast(self(x, training=True), tf.float32) - y))
             target = self.optimizer.get_scaled_loss(loss) if scaled else loss
         variables = self.trainable_variables
-        grads = tape.gradient(target, variables)
+        grads = tf.gradients(target, variables) if self.via_tf_gradients else tape.gradient(target, variables)
         if scaled:  # mixed precision's loss scale, as Keras' guide for a custom train_step does it
             grads = self.optimizer.get_unscaled_gradients(grads)
         if self.each:
@@ -220,13 +221,13 @@ class ClippedStep(tf.keras.Model):
         return {"loss": loss}
 
 
-def _clipped(scope, batch, clip_table, each=None):
+def _clipped(scope, batch, clip_table, each=None, via_tf_gradients=False):
     ids, rng = _ids(19)
     y = rng.normal(size=(ROWS, 1)).astype(np.float32) * 3
     data = tf.data.Dataset.from_tensor_slices((ids[:118], y[:118]))
     logged = _Logged()
     with scope():
-        model = ClippedStep(clip_table, each)
+        model = ClippedStep(clip_table, each, via_tf_gradients)
         model(ids[:1])
         _init(model)
         model.compile(optimizer=tf.keras.optimizers.SGD(0.5))
@@ -239,6 +240,11 @@ def clipped_gradients(scope, batch):
     """ClippedStep clipping the replicated weights' gradients by their global norm (binding at every step), with a
     table on the PS, on a dataset with a partial last batch (16 + 6 rows on the workers in the last step)."""
     return _clipped(scope, batch, clip_table=False)
+
+
+def clipped_by_tf_gradients(scope, batch):
+    """clipped_gradients, its gradients taken by tf.gradients instead of its tape."""
+    return _clipped(scope, batch, clip_table=False, via_tf_gradients=True)
 
 
 def clipped_with_table(scope, batch):
@@ -1847,8 +1853,8 @@ def restore_best_weights(scope, batch):
     return model
 
 
-PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_with_table, clipped_each, clipped_each_row,
-                                    mixed_float16_clipped,
+PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_by_tf_gradients, clipped_with_table, clipped_each,
+                                    clipped_each_row, mixed_float16_clipped,
                                     clipped_two_optimizers, ratio_metrics, custom_metric_classes, vector_metric_results,
                                     sparse_and_ragged_inputs,
                                     sequence_input, sequence_loader_threads, generator_input,
