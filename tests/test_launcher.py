@@ -329,6 +329,9 @@ def test_a_cluster_file_of_this_host_only_starts_it_without_ssh(tmp_path):
                             "refused after 0 train_on_batch call(s) (built before): Variable(s) "
                             "['running/moving:0'] changed differently", "refused after 0 train_on_batch call(s) "
                             "(built by its first call): Variable(s) ['running/moving:0'] changed differently")),
+    ("manual_update", ("refused: Trainable variable(s) ['out/kernel:0', 'out/bias:0'] differ between the workers "
+                       "after the first training step: the step changed them by other means than the optimizer",
+                       "Apply the gradients with an optimizer (self.optimizer.apply_gradients")),
     ("clip_accumulated", "ValueError: The train_step transforms the gradient of 'transformed/out/kernel:0' by a "
                          "function of its gradients (L2Loss op 'global_norm/L2Loss', e.g. tf.clip_by_global_norm or "
                          "tf.clip_by_value) that kparallax cannot compute on the global batch's gradients, because it "
@@ -344,7 +347,8 @@ def test_training_outside_the_strategy_is_refused_in_a_multi_worker_job(tmp_path
     factor from the worker's own loss, any clip under gradient accumulation) would act on each worker's own. A
     layer's running statistic assigned in the step without an aggregation would move its own way on each worker (its
     'calls' counter, the same on every worker, is not named), in fit and in a train_on_batch loop after its first
-    call (also for a model built by that call). A custom train_step's second optimizer under sync=False would update
+    call (also for a model built by that call). Weights a custom train_step updates by hand (no optimizer) would
+    each take its worker's own gradient. A custom train_step's second optimizer under sync=False would update
     each worker's copy of its variables alone (before, it was refused with the custom training loop's message)."""
     run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "worker_behaviour.py"), mode],
                             log_dir=str(tmp_path), workers=2, ps=1, timeout=120)

@@ -293,9 +293,11 @@ class SameStop(tf.keras.callbacks.Callback):
 
 def check_same_state(strategy, model):
     """Compares the model's replicated non-trainable variables that a step could assign on each worker alone
-    (``state_variables.candidates``) over the workers (eager; every worker calls it after the same step) and raises
-    the fix if the step left any different (one small allgather; none for a model without such variables)."""
+    (``state_variables.candidates``) and its replicated trainable ones (an update written by hand in a custom
+    ``train_step`` would be each worker's own) over the workers (eager; every worker calls it after the same step)
+    and raises the fix if the step left any different (one small allgather of their checksums)."""
     variables = state_variables.candidates(model, strategy.is_ps_variable)
+    variables += state_variables.trainable_replicas(model, strategy.is_ps_variable)
     if variables:
         different = state_variables.differing(variables, strategy.num_workers, "kp_same_state")
         if different:
@@ -304,7 +306,7 @@ def check_same_state(strategy, model):
 
 class SameState(tf.keras.callbacks.Callback):
     """After ``fit``'s first step, ``check_same_state``: stops ``fit`` with the fix if the step left a replicated
-    non-trainable variable different on the workers (``train_on_batch`` checks after its first call)."""
+    variable different on the workers (``train_on_batch`` checks after its first call)."""
 
     def __init__(self, strategy):
         super().__init__()

@@ -94,6 +94,14 @@ def combined(model, is_ps_variable, num_workers, share):
         yield
 
 
+def trainable_replicas(model, is_ps_variable):
+    """The replicated trainable variables of ``model`` (none before it is built): the optimizer updates each from
+    the gradient averaged over the workers, so every worker holds the same values after a step."""
+    if not keras_compat.weights_created(model):
+        return []
+    return [v for v in model.trainable_weights if isinstance(v, tf.Variable) and not is_ps_variable(v)]
+
+
 def differing(variables, num_workers, name):
     """``variables`` whose values differ between the workers (eager; every worker must call it): one allgather of a
     CRC-32 of each one's bytes."""
@@ -104,6 +112,16 @@ def differing(variables, num_workers, name):
 
 def refuse_differing(variables):
     """The error for replicated ``variables`` that the first training step left different on the workers."""
+    trained = [v.name for v in variables if v.trainable]
+    if trained:
+        return ValueError(
+            f"Trainable variable(s) {trained} differ between the workers after the first training step: the step "
+            "changed them by other means than the optimizer, which updates every worker's copy from the gradient "
+            "averaged over the workers (an update written by hand in a custom train_step, variable.assign_sub(lr * "
+            "gradient), uses each worker's own gradient), so the copies drift apart and away from one process on "
+            f"the global batch, silently. Received: {len(trained)} replicated trainable variable(s) left different. "
+            "Apply the gradients with an optimizer (self.optimizer.apply_gradients, or a second optimizer given to "
+            "compile: see the README), which averages them over the workers first.")
     names = [v.name for v in variables]
     plain = [v.name for v in variables if v.aggregation not in _AGGREGATED]
     if not plain:
