@@ -516,17 +516,19 @@ def summed_or_averaged(op):
     return op.type == "Sum" or (op.type == "Mean" and op.outputs[0].dtype.is_floating)
 
 
-def feeding(targets, ops):
-    """The names of the graph ``ops`` that the ``targets`` (tensors) are computed from (data edges), the targets'
-    own too."""
+def feeding(targets, ops, control=False):
+    """The names of the graph ``ops`` that the ``targets`` (tensors or ops) are computed from (data edges, and
+    control edges too if ``control``), the targets' own too."""
     names, seen = {op.name for op in ops}, set()
-    stack = [t.op for t in targets]
+    stack = [t if isinstance(t, tf.Operation) else t.op for t in targets]
     while stack:
         op = stack.pop()
         if op.name in seen or op.name not in names:
             continue
         seen.add(op.name)
         stack.extend(x.op for x in op.inputs)
+        if control:
+            stack.extend(op.control_inputs)
     return seen
 
 

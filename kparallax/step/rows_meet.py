@@ -99,7 +99,7 @@ def refused(num_workers, micro_batches, data):
                                        + [tf.equal(tf.cast(p, tf.bool), taken) for p, taken in when]))
         check = tf.debugging.Assert(tf.logical_not(every), [message])
         if getattr(_ACTIVE, "asserts", None) is not None:
-            _ACTIVE.asserts.append(check if isinstance(check, tf.Operation) else check.op)
+            _ACTIVE.asserts.append(check)  # an op: the Assert itself, its data being strings
 
 
 @contextlib.contextmanager
@@ -124,24 +124,11 @@ def checked_first():
     asserts = [check for check in asserts if check.graph is graph]  # not a branch's or a loop's own
     if not asserts:
         return
-    upstream = _upstream(asserts)
-    for op in graph.get_operations()[first:]:
+    ops = graph.get_operations()[first:]
+    upstream = row_axes.feeding(asserts, ops, control=True)  # a control edge from one of them would make a cycle
+    for op in ops:
         if op.name not in upstream and _collective(op):
             tf_compat.add_control_inputs(op, asserts)
-
-
-def _upstream(ops):
-    """Names of the graph ops ``ops`` are computed from (their inputs' and control inputs' ops, transitively), and
-    theirs."""
-    names, stack = set(), list(ops)
-    while stack:
-        op = stack.pop()
-        if op.name in names:
-            continue
-        names.add(op.name)
-        stack.extend(x.op for x in op.inputs)
-        stack.extend(op.control_inputs)
-    return names
 
 
 def _collective(op):
