@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from kparallax.step import row_axes
 
-STATISTIC, UNKNOWN = row_axes.STATISTIC, row_axes.UNKNOWN
+STATISTIC, UNKNOWN, ROW = row_axes.STATISTIC, row_axes.UNKNOWN, row_axes.ROW
 
 # Each expression of the batch x [B, 3] and its ids [B] (w: a [3, 3] weight, no rows), and its rows' axis.
 EXPRESSIONS = {
@@ -77,7 +77,21 @@ EXPRESSIONS = {
     "a Keras LSTM's last output": (lambda x, ids, w: tf.keras.layers.LSTM(2)(x[:, None, :] * tf.ones([1, 4, 1])), 0),
     "a Keras GRU's sequences": (
         lambda x, ids, w: tf.keras.layers.GRU(2, return_sequences=True)(x[:, None, :] * tf.ones([1, 4, 1])), 0),
-    "a map over the rows": (lambda x, ids, w: tf.map_fn(lambda r: r * 2.0, x), UNKNOWN),
+    "a map over the rows": (lambda x, ids, w: tf.map_fn(lambda r: r * 2.0, x), 0),
+    "a map of each row's own mean": (lambda x, ids, w: tf.map_fn(lambda r: tf.nn.relu(r[None] @ w)[0] - tf.reduce_mean(r), x),
+                                     0),
+    "a map of the transposed rows": (lambda x, ids, w: tf.map_fn(lambda r: r * 2.0, tf.transpose(x)), 1),
+    "a map of a function of each row": (lambda x, ids, w: tf.map_fn(tf.function(lambda r: r[::-1]), x), 0),
+    "a map over a row's values, in a map": (
+        lambda x, ids, w: tf.map_fn(lambda r: tf.reduce_sum(tf.map_fn(lambda v: v * w[0, 0], r)), x), 0),
+    "a map's rows and a list of a row's values": (
+        lambda x, ids, w: tf.map_fn(lambda r: tf.TensorArray(tf.float32, 2).write(0, r).write(1, r).stack(), x), 0),
+    "a list of a row's values": (
+        lambda x, ids, w: tf.TensorArray(tf.float32, 1).write(0, tf.TensorArray(tf.float32, 4).unstack(x).read(0))
+        .stack(), ROW),
+    "a map of a row's values gathered": (lambda x, ids, w: tf.map_fn(lambda i: tf.gather(w, i), ids,
+                                                                     fn_output_signature=tf.float32), 0),
+    "a map reading a row's size": (lambda x, ids, w: tf.map_fn(lambda r: r / tf.cast(tf.size(r), tf.float32), x), 0),
     "a cond's branches disagreeing": (lambda x, ids, w: tf.cond(w[0, 0] > 0, lambda: tf.transpose(x) @ x,
                                                                 lambda: w), UNKNOWN),
 }

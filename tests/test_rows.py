@@ -240,11 +240,32 @@ MEETINGS_PAST_A_LOOP = {
 }
 
 
+# Rows meeting over or past tf.map_fn and tf.scan (a loop over a list of the batch's rows, each element one row).
+_ONE_ROW = "one row of the batch ((3,): an element of a list of its rows, as the function of tf.map_fn gets)"
+MEETINGS_OVER_A_MAP = {
+    "a_map_s_output_centered": (lambda q, d, w: _center(tf.map_fn(lambda r: tf.tanh(r), q)),
+                                "Rows of the batch meet in sub (Sub combines rows of ("),
+    "each_row_centered_by_the_batch_mean_in_a_map": (
+        lambda q, d, w: tf.map_fn(lambda r: r - tf.reduce_mean(q, axis=0), q),
+        f"in the body of the loop map/while, (Sub combines {_ONE_ROW} with Mean over the rows of the batch"),
+    "each_row_scored_against_every_candidate_in_a_map": (
+        lambda q, d, w: tf.map_fn(lambda r: tf.reduce_sum(r * d, axis=-1), q),
+        f"3) (axis 0) with {_ONE_ROW}, pairing every row of the batch with every other"),
+    "a_scan_over_the_rows": (
+        lambda q, d, w: tf.scan(lambda total, r: total + r, q),
+        "Rows of the batch meet in scan/while (a loop over the rows of the batch carries a value computed from one "
+        "row on to the next, as the accumulator of tf.scan does)"),
+    "a_scan_from_an_initializer": (lambda q, d, w: tf.scan(lambda h, r: tf.tanh(h[None] @ w)[0] + r, q, tf.zeros([3])),
+                                   "Rows of the batch meet in scan/while (a loop over the rows of the batch carries"),
+}
+
+
 @pytest.mark.usefixtures("rnns")
-@pytest.mark.parametrize("name", sorted(MEETINGS_INSIDE) + sorted(MEETINGS_PAST_A_LOOP))
+@pytest.mark.parametrize("name", sorted(MEETINGS_INSIDE) + sorted(MEETINGS_PAST_A_LOOP) + sorted(MEETINGS_OVER_A_MAP))
 def test_rows_meeting_inside_a_function_the_step_calls_or_past_a_loop_are_refused_on_several_workers(name):
-    # Before, a call and a loop were tensors of unknown rows: these trained silently apart from one process.
-    meet, fragment = {**MEETINGS_INSIDE, **MEETINGS_PAST_A_LOOP}[name]
+    # Before, a call and a loop were tensors of unknown rows: these trained silently apart from one process (and
+    # tf.map_fn's or tf.scan's loop over the rows until this change).
+    meet, fragment = {**MEETINGS_INSIDE, **MEETINGS_PAST_A_LOOP, **MEETINGS_OVER_A_MAP}[name]
     for rows in (None, 4):
         message = _refusal(meet, rows)
         assert message is not None and fragment in message, (rows, message)
@@ -252,15 +273,33 @@ def test_rows_meeting_inside_a_function_the_step_calls_or_past_a_loop_are_refuse
     assert _refusal(meet, workers=1) is None
 
 
+def _ctc_loss(q, d, w):
+    """Keras' CTC loss of a batch of 3 time steps of 4 classes, labels of 2 (its tf.scan over the label lengths
+    reads its accumulator's shape only)."""
+    del w
+    y_pred = tf.nn.softmax(q[:, :, None] * tf.ones([1, 1, 4]))
+    y_true = tf.cast(tf.abs(d[:, :2]) > 0, tf.int32) + 1
+    return tf.keras.backend.ctc_batch_cost(y_true, y_pred, tf.cast(q[:, :1] * 0 + 3, tf.int32),
+                                           tf.cast(d[:, :1] * 0 + 2, tf.int32))
+
+
 @pytest.mark.usefixtures("rnns")
 def test_per_row_work_past_a_keras_rnn_or_a_while_loop_runs():
     # An RNN's outputs per row (a dense layer, a loss's mean, its sequences' per-step softmax), a loop over the
-    # columns' lists (tf.map_fn over each row: the rows become the list's elements, not followed) meet nothing.
+    # columns' lists, tf.map_fn's function of each row alone (with a weight, a scan and a list of its own), each
+    # row's own value past it, Keras' CTC loss (a tf.scan over the rows reading its accumulator's shape alone: it
+    # was refused before that was told apart) meet nothing.
     dense = tf.keras.layers.Dense(2)
     for alone in (lambda q, d, w: tf.reduce_mean(tf.square(dense(_lstm(q)) - d[:, :2])),
                   lambda q, d, w: tf.nn.softmax(_gru_sequences(q), axis=-1),
                   lambda q, d, w: tf.keras.losses.cosine_similarity(_lstm(q), d),
                   lambda q, d, w: tf.map_fn(lambda r: r - tf.reduce_mean(r), q),
+                  lambda q, d, w: tf.nn.softmax(tf.map_fn(lambda r: tf.nn.softmax(r[None] @ w)[0], q)),
+                  lambda q, d, w: tf.map_fn(lambda r: tf.scan(lambda a, v: a * v, r), q) - d,
+                  lambda q, d, w: tf.map_fn(lambda r: tf.TensorArray(tf.float32, 2).write(0, r).write(1, -r).stack()
+                                            - tf.reduce_mean(r), q),
+                  lambda q, d, w: tf.reduce_sum(tf.map_fn(lambda r: r * w[0], q) * d, axis=1),
+                  _ctc_loss,
                   lambda q, d, w: tf.while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, tf.nn.softmax(h @ w)),
                                                 (0, q))[1]):
         assert _refusal(alone) is None

@@ -7,11 +7,13 @@ order they were made, and gives each output one of:
 - ``STATISTIC``: a reduction over the rows (a per-column mean, the batch's maximum, a loss's mean; a product
   summing over them, ``a^T @ b``, a Gram matrix of the batch, in the forward pass), and what is computed from it and
   values without rows;
+- ``ROW``: one row of the batch, an element of a list of its rows (what ``tf.map_fn``'s and ``tf.scan``'s
+  function gets), and what is computed from it and values without rows;
 - ``UNKNOWN``: anything else the batch reaches (an op not followed here, a collective, several rows' values
-  joined into one entry by a reshape, the rows made a list's elements as ``tf.map_fn`` does). Nothing is refused
-  from it.
-A list of tensors (a ``TensorArray``, a variant handle) made of a tensor's slices along an axis after the rows'
-gets ``Listed``: its elements' rows' axis (a Keras RNN's time steps).
+  joined into one entry by a reshape). Nothing is refused from it.
+A list of tensors (a ``TensorArray``, a variant handle) made of a tensor's slices along an axis gets ``Listed``: its
+elements' rows' axis (a Keras RNN's time steps: the slices along an axis after the rows'), or ``ROW`` (the slices
+along the rows' axis: ``tf.map_fn``'s); stacked back, the rows are on the axis they came from.
 
 A function the step calls (a ``tf.function`` of the user's, a ``tf.cond``'s branches) is followed inside: its
 inputs' axes are given to its body's placeholders and its outputs get its body's outputs' (a cond's branches
@@ -33,6 +35,8 @@ batch and each worker over its own part (``meetings``):
 - ``pairwise``: two tensors with rows on different axes broadcast against each other (pairwise differences,
   ``a[:, None] - b[None, :]``);
 - ``cumulative``: a cumulative sum or product along the rows;
+- ``carried``: a loop over a list of the batch's rows carrying a value computed from one row to the next
+  (``tf.scan``'s accumulator);
 - ``nonlinear``: a statistic taken through a function other than a sum, a difference or a scaling by values without
   rows (the root of a mean squared error, a log of the batch's mean activation, a quotient or a matrix product of
   two statistics, a value chosen by a comparison of one, ``tf.where(tf.reduce_mean(x) > 0, a, b)``): one
@@ -56,6 +60,7 @@ from kparallax._compat import tf as tf_compat
 
 STATISTIC = "statistic"
 UNKNOWN = "unknown"
+ROW = "row"
 BACKWARD = "/gradient_tape/"  # the name scope of a tape's gradient ops
 
 _UNARY = {
@@ -98,6 +103,9 @@ _NONLINEAR = (_UNARY - {"Identity", "Snapshot", "StopGradient", "PreventGradient
 _PRODUCT_LIKE = {"Mul", "MulNoNan", "Einsum"} | PRODUCTS  # nonlinear when two statistics multiply
 _QUOTIENTS = {"RealDiv", "Div", "DivNoNan"}  # nonlinear when a statistic divides
 _SELECTS = {"Select", "SelectV2"}  # nonlinear when a statistic chooses
+# Ops combining their inputs' values entry by entry or by products: one row of the batch meets what they combine it
+# with (the batch's rows, a statistic of them).
+_COMBINING = _ELEMENTWISE | _SELECTS | PRODUCTS | {"Einsum", "ConcatV2", "Pack"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,16 +129,19 @@ class Meeting:
     @property
     def checked(self):
         """The pairs (tensor, axis) to check against the worker's batch when the step runs: ``rows``, or for a
-        meeting inside a function, ``held`` (its own tensors are not the step's)."""
-        return self.held if self.calls else self.rows
+        meeting inside a function, ``held`` (its own tensors are not the step's); those with the rows on an axis."""
+        return tuple(pair for pair in (self.held if self.calls else self.rows) if isinstance(pair[1], int))
 
 
 @dataclasses.dataclass(frozen=True)
 class Listed:
     """The rows' axis of a list of tensors (a ``TensorArray``'s, a ``tf.while_loop``'s list; a variant handle):
-    ``element``, each element's rows' axis (a Keras RNN's inputs, one time step each, and its outputs)."""
+    ``element``, each element's rows' axis (a Keras RNN's inputs, one time step each, and its outputs), or ``ROW``:
+    each element one row of the batch (``tf.map_fn``'s), or a value of one row (``one_row``: its slices, a list a
+    function of one row writes)."""
 
     element: object
+    one_row: bool = False
 
 
 class RowAxes:
@@ -146,6 +157,7 @@ class RowAxes:
         self.reductions = []  # the ops reducing the batch's rows (statistics' sources)
         self._merged = {}  # a tensor's ref -> the entries per row of the batch on its rows' axis, when more than 1
         self._listed_from = {}  # a list's ref -> (the tensor it was made of, that tensor's rows' axis)
+        self._row_indices = set()  # the refs of the indices a list of rows was read at
 
     def follow(self, ops):
         """Follows graph ``ops`` (each after the ops it reads), recording ``meetings``. The outputs of
@@ -155,7 +167,8 @@ class RowAxes:
             if all(a is None for a in axes):
                 continue  # nothing of the batch: every output has no rows
             try:
-                outputs = [UNKNOWN] * len(op.outputs) if op.name in self._apart_ops else self._outputs(op, axes)
+                outputs = ([UNKNOWN] * len(op.outputs) if op.name in self._apart_ops else
+                           self._of_a_row(op, axes) if ROW in axes else self._outputs(op, axes))
             except (ValueError, TypeError, IndexError, KeyError, ArithmeticError):  # not as expected: not followed
                 outputs = [UNKNOWN] * len(op.outputs)
             outputs = self._merge(op, axes, outputs)
@@ -254,6 +267,30 @@ class RowAxes:
             return self._listed(op, axes)
         return [UNKNOWN] * len(op.outputs)
 
+    def _of_a_row(self, op, axes):
+        """The outputs of ``op`` reading one row of the batch (``ROW``): computed from it alone (and values without
+        rows) they are of that row; a list's, a call's or a loop's are followed as any; combined with the batch's
+        rows (``pairwise``) or with a statistic of the batch (``statistic``) by an op of ``_COMBINING``, the rows
+        meet there; ``UNKNOWN`` otherwise."""
+        kind, count = op.type, len(op.outputs)
+        if kind in _METADATA:
+            return [None] * count
+        if kind in _LISTS or kind in _CALLS or kind in _LOOPS:
+            return self._outputs(op, axes)
+        row = next((x, a) for x, a in zip(op.inputs, axes) if a == ROW)
+        others = [(x, a) for x, a in zip(op.inputs, axes) if a not in (None, ROW)]
+        rows = [(x, a) for x, a in others if isinstance(a, int)]
+        statistics = [x for x, a in others if a == STATISTIC]
+        if not others:
+            return [ROW] * count
+        if kind not in _COMBINING or len(rows) + len(statistics) != len(others):
+            return [UNKNOWN] * count
+        if rows:
+            self.meetings.append(Meeting(op, "pairwise", (rows[0], row)))
+            return [UNKNOWN] * count
+        self._statistic_meets(op, row, statistics)
+        return [ROW] * count
+
     def _held(self, inputs):
         """The pairs (tensor, axis) of ``inputs`` (pairs (tensor, its axis)) holding the batch's rows, a list's as
         the tensor it was made of."""
@@ -298,12 +335,29 @@ class RowAxes:
             inner = self._inner(bodies[0], list(zip(op.inputs, state)))
             after = [_union(a, inner.axis(t)) for a, t in zip(state, bodies[0].outputs)]
             if after == state:
-                self._record(op, inner, self._held(list(zip(op.inputs, axes))))
+                held = self._held(list(zip(op.inputs, axes)))
+                self._carried(op, bodies[0], state, held)
+                self._record(op, inner, held)
                 for x, y in zip(op.inputs, op.outputs):
                     self._same_list(x, y)
                 return state
             state = after
         return unknown
+
+    def _carried(self, op, body, state, held):
+        """Records a ``carried`` meeting at loop ``op`` (of ``body``, its variables' settled axes ``state``) when it
+        reads a list of the batch's rows and a variable of it other than a list comes out of the body as one row's
+        value computed in the body from its own value before (not only its shape, as Keras' CTC loss's labels
+        scan reads it): a value carried from one row to the next."""
+        if not any(isinstance(a, Listed) and a.element == ROW and not a.one_row for a in state):
+            return
+        for k, axis in enumerate(state):
+            out = body.outputs[k]
+            while out.op.type == "Identity" and out.op.inputs:
+                out = out.op.inputs[0]
+            if axis == ROW and out.ref() != body.inputs[k].ref() and _reads(out, body.inputs[k]):
+                self.meetings.append(Meeting(op, "carried", held or ((op.inputs[k], ROW),)))
+                return
 
     def _same_list(self, before, after):
         """List handle ``after`` (a write's, a loop's output) is ``before`` changed: made of the same tensor, for the
@@ -312,33 +366,40 @@ class RowAxes:
             self._listed_from[after.ref()] = self._listed_from[before.ref()]
 
     def _listed(self, op, axes):
-        """A list op's outputs: a tensor's slices along an axis after its rows' made into a list (``Listed``: each
-        element's rows' axis), an element read, written or pushed, the list stacked back (the rows one axis on)."""
+        """A list op's outputs: a tensor's slices along an axis made into a list (``Listed``: each element's rows'
+        axis, or ``ROW`` for the slices along the rows' axis), an element read, written or pushed, the list stacked
+        back (the rows one axis on, or on axis 0). One row's value makes a list of rows only written at the index a
+        row was read at (``tf.map_fn``'s loop writes its function's value for row i at i)."""
         kind, first = op.type, axes[0]
         if kind == "TensorListFromTensor":
-            if not isinstance(first, int) or first < 1 or axes[1] is not None:
+            if first == ROW and axes[1] is None:
+                return [Listed(ROW, one_row=True)]
+            if not isinstance(first, int) or axes[1] is not None or (first == 0 and self.entries(op.inputs[0]) > 1):
                 return [UNKNOWN]
             self._listed_from[op.outputs[0].ref()] = (op.inputs[0], first)
-            return [Listed(first - 1)]
+            return [Listed(first - 1 if first else ROW)]
         if kind in ("TensorListLength", "TensorListElementShape"):
             return [None]
         if not isinstance(first, Listed) and first is not None:
             return [UNKNOWN] * len(op.outputs)
         if kind in ("TensorListSetItem", "TensorListPushBack"):
             item = axes[-1]
-            if any(a is not None for a in axes[1:-1]) or not (isinstance(item, int) or item is None):
+            if any(a is not None for a in axes[1:-1]) or not (isinstance(item, int) or item in (None, ROW)):
                 return [UNKNOWN]
+            rows = kind == "TensorListSetItem" and op.inputs[1].ref() in self._row_indices  # at a row's index
             self._same_list(op.inputs[0], op.outputs[0])
-            merged = _union(first, Listed(item) if item is not None else None)
+            merged = _union(first, Listed(item, one_row=item == ROW and not rows) if item is not None else None)
             return [merged if isinstance(merged, Listed) else UNKNOWN]
         if first is None or any(a is not None for a in axes[1:]):
             return [UNKNOWN] * len(op.outputs)
         if kind == "TensorListGetItem":
+            if first.element == ROW and not first.one_row:
+                self._row_indices.add(op.inputs[1].ref())
             return [first.element]
         if kind == "TensorListPopBack":
             return [first, first.element]
-        if kind == "TensorListStack" and isinstance(first.element, int):
-            return [first.element + 1]
+        if kind == "TensorListStack" and (isinstance(first.element, int) or first.element == ROW):
+            return [first.element + 1 if first.element != ROW else ROW if first.one_row else 0]
         return [UNKNOWN] * len(op.outputs)
 
     def _called(self, op, axes):
@@ -543,6 +604,20 @@ def _nonlinear(op, axes):
     if op.type in _QUOTIENTS:
         return axes[1] == STATISTIC
     return op.type in _NONLINEAR and STATISTIC in axes
+
+
+def _reads(tensor, source):
+    """Whether graph ``tensor`` is computed from the values of ``source`` (data edges; a shape read is not)."""
+    stack, seen = [tensor], set()
+    while stack:
+        current = stack.pop()
+        if current.ref() == source.ref():
+            return True
+        if current.ref() in seen or current.op.type in _METADATA or current.op.type in _CONSTANT_LIKE:
+            continue
+        seen.add(current.ref())
+        stack.extend(current.op.inputs)
+    return False
 
 
 def _union(a, b):

@@ -92,7 +92,7 @@ def refused(num_workers, micro_batches, data):
     meetings = _forward(axes.meetings, row_axes.feeding(targets, ops))
     checks = [(held, (), message) for *held, message in checks]
     checks.extend((meeting.checked, meeting.when, _meeting_message(meeting, where))
-                  for meeting in meetings[:_MOST_CHECKS])
+                  for meeting in [m for m in meetings if m.checked][:_MOST_CHECKS])
     rows = tf.cast(keras_losses.batch_rows(data), tf.int32) if checks else None
     for held, when, message in checks:  # each held tensor with as many rows as the batch (times its entries per row)
         every = tf.reduce_all(tf.stack([tf.equal(tf.shape(t)[axis], rows * axes.entries(t)) for t, axis in held]
@@ -237,6 +237,7 @@ def _message(op, a, b, where):
             "and backward_passes_per_step=1), or score each row against its own candidate only.")
 
 
+_A_ROW = "one row of the batch ({}: an element of a list of its rows, as the function of tf.map_fn gets)"
 _COMPILED = (" a loss function compiled with the model (of its targets and predictions) gets its sums and means "
              "over every worker from kparallax itself (with backward_passes_per_step=1);")
 
@@ -249,13 +250,19 @@ def _meeting_message(meeting, where):
                      else f", in the function called by {c.name}" for c in reversed(meeting.calls))
     inside += "," if inside else ""
     if meeting.kind == "statistic":
-        how = (f"{op.type} combines rows of {x.shape} with {meeting.source.type} over the rows of the batch in "
+        what = _A_ROW.format(x.shape) if axis == row_axes.ROW else f"rows of {x.shape}"
+        how = (f"{op.type} combines {what} with {meeting.source.type} over the rows of the batch in "
                f"{meeting.source.name}, a statistic of the batch, as centering or normalizing over the batch by hand "
                "does")
     elif meeting.kind == "pairwise":
         other, other_axis = meeting.rows[1]
-        how = (f"{op.type} broadcasts the rows of {x.shape} (axis {axis}) against those of {other.shape} (axis "
-               f"{other_axis}), pairing every row of the batch with every other, as pairwise differences do")
+        against = (_A_ROW.format(other.shape) if other_axis == row_axes.ROW else
+                   f"those of {other.shape} (axis {other_axis})")
+        how = (f"{op.type} combines the rows of {x.shape} (axis {axis}) with {against}, pairing every row of the "
+               "batch with every other, as pairwise differences do")
+    elif meeting.kind == "carried":
+        how = ("a loop over the rows of the batch carries a value computed from one row on to the next, as the "
+               "accumulator of tf.scan does")
     elif meeting.kind == "nonlinear":
         # what batch_statistics makes global (not inside a function of the loss function's own)
         compiled = _COMPILED if row_axes.summed_or_averaged(meeting.source) and not meeting.calls else ""

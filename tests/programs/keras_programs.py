@@ -1614,6 +1614,27 @@ class WarmUp(tf.keras.optimizers.schedules.LearningRateSchedule):
         return self.peak * tf.minimum(step, tf.math.rsqrt(step))
 
 
+class _PerRowMap(tf.keras.layers.Layer):
+    """A layer of a user's own working on each row of its batch with tf.map_fn: the running maximum over the row's
+    embedded ids (tf.scan) averaged, through a weight."""
+
+    def build(self, input_shape):
+        self.scale = self.add_weight("scale", shape=(input_shape[-1],), initializer="ones")
+
+    def call(self, x):
+        return tf.map_fn(lambda row: tf.reduce_mean(tf.scan(tf.maximum, row * self.scale), axis=0), x)
+
+
+def per_row_map(scope, batch):
+    """Embedded ids through _PerRowMap into a Dense output, on a dataset with a partial last batch: the rows of the
+    batch are the elements of tf.map_fn's list and each row's ids those of tf.scan's (neither refused)."""
+    model, history = _fit_on_partial_batches(
+        scope, batch, 59, lambda: tf.keras.Sequential([tf.keras.layers.Embedding(VOCAB, EMB), _PerRowMap(),
+                                                      tf.keras.layers.Dense(1)]), 0.1, loss="mse")
+    model.logged = [np.array(history.history["loss"])]
+    return model
+
+
 def transformer_lm(scope, batch):
     """A causal transformer language model as Keras' examples write one: token and position tables, a decoder
     block (multi-head attention with a causal mask, LayerNormalization, a feed-forward net), next-token logits on
@@ -1873,7 +1894,7 @@ PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_by_tf_gradients, 
                                     stop_on_one_worker, layer_running_statistics, stateful_lstm,
                                     run_eagerly_dense, two_optimizers,
                                     fine_tuning, own_compute_loss, own_embedding_layer,
-                                    added_metrics, tracked_train_step, multi_output, transformer_lm,
+                                    added_metrics, tracked_train_step, multi_output, transformer_lm, per_row_map,
                                     steps_per_execution_partial, second_fit_other_batch, restore_best_weights,
                                     wide_deep_premade,
                                     built_by_first_step, train_on_batch_loop)}  # last two: they seed Keras' RNG

@@ -3,7 +3,8 @@ per-worker batch; under kparallax-run). Writes OUT_DIR/<program>.npz (weights, t
 0. SHARD ("i/n", default "0/1") runs part i of n of the programs (keras_programs.shard); "striped" runs
 keras_programs.STRIPED, under kparallax with every table in 3 stripes (partitions=3); "searched:NAME" runs program
 NAME, under kparallax with partitions="auto" (max_partitions=8, auto_steps=1: 2, 4 and 8 stripes over its first 6
-steps, then the one chosen), so the search re-partitions its tables during its fit.
+steps, then the one chosen), so the search re-partitions its tables during its fit; "only:NAME" runs program NAME
+alone (to check one while writing it).
 Usage: train_keras_programs.py OUT_DIR MODE [SHARD]"""
 
 import contextlib
@@ -32,7 +33,7 @@ def main(out_dir, mode, part="0/1"):
     programs.SHARED_DIR = out_dir
     if part == "striped":
         names = programs.striped()
-    elif part.startswith("searched:"):
+    elif part.startswith(("searched:", "only:")):
         names = [part.split(":", 1)[1]]
     else:
         index, count = (int(n) for n in part.split("/"))
