@@ -182,6 +182,10 @@ MEETINGS_INSIDE = {
                                     "Rows of the batch meet in sub (Sub combines rows of ("),
     "a_cond_s_branch": (lambda q, d, w: tf.cond(tf.reduce_sum(w) > 0, lambda: _center(q), lambda: q),
                         "Rows of the batch meet in cond/sub, in the function called by cond, (Sub combines rows"),
+    "a_cond_on_a_flag_passed_into_a_function": (
+        lambda q, d, w: tf.function(lambda t, flag: tf.cond(flag, lambda: _center(t), lambda: t))(
+            q, tf.reduce_sum(w) > 0),
+        "Rows of the batch meet in cond/sub, in the function called by cond, in the function called by PartitionedCall"),
     "pairwise_in_a_function": (lambda q, d, w: tf.function(lambda a, b: a[:, None, :] - b[None, :, :])(q, d),
                                "pairing every row of the batch with every other"),
     "a_softmax_in_a_function": (lambda q, d, w: tf.function(lambda t: tf.nn.softmax(t, axis=0))(q @ w),
@@ -345,6 +349,11 @@ def test_rows_meeting_in_a_branch_not_taken_or_alone_in_a_function_run():
     # rows, meet nothing; a function of sampled rows (fewer than the batch's) neither.
     assert _refusal(lambda q, d, w: tf.cond(tf.reduce_sum(w) < 0, lambda: _center(q), lambda: q * 2.0)) is None
     assert _refusal(lambda q, d, w: tf.cond(tf.reduce_sum(w) > 0, lambda: q * 2.0, lambda: _center(q))) is None
+    # So does a cond's inside a function of the step, on a flag passed in (before: checked in every step, refused).
+    assert _refusal(lambda q, d, w: tf.function(lambda t, flag: tf.cond(flag, lambda: _center(t), lambda: t))(
+        q, tf.reduce_sum(w) < 0)) is None
+    assert _refusal(lambda q, d, w: tf.function(lambda t, flag: tf.function(
+        lambda u, on: tf.cond(on, lambda: u, lambda: _center(u)))(t * 2.0, flag))(q, tf.reduce_sum(w) > 0)) is None
     for alone in (lambda q, d, w: tf.function(lambda t: tf.nn.softmax(t, axis=1))(q @ w),
                   lambda q, d, w: tf.function(lambda t: t - tf.reduce_mean(t, axis=1, keepdims=True))(q),
                   lambda q, d, w: tf.function(lambda t: tf.reduce_mean(tf.square(t)))(q @ w),

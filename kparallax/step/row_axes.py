@@ -313,12 +313,19 @@ class RowAxes:
         inner.follow(body.get_operations())
         return inner
 
-    def _record(self, op, inner, held, when=()):
-        """Records ``inner``'s meetings (in a function ``op`` calls) as meetings of ``op``, checked on ``held``."""
+    def _record(self, op, inner, held, when=(), passed=None):
+        """Records ``inner``'s meetings (in a function ``op`` calls) as meetings of ``op``, checked on ``held``, in
+        the steps ``when`` holds. A meeting in a branch of a ``tf.cond`` inside the function keeps its predicate
+        where it is one of the function's inputs (``passed``: the body's placeholders' refs -> ``op``'s inputs): a
+        flag the step passes in; other predicates are the function's own, and the meeting is checked in every step
+        the function runs."""
         for meeting in inner.meetings:
             checked = held or meeting.checked  # no rows passed in: a statistic's, this graph's reduced tensor
             if all(t.graph is op.graph for t, _ in checked):
-                self.meetings.append(dataclasses.replace(meeting, calls=(op, *meeting.calls), held=checked, when=when))
+                inside = tuple((passed[_unwrapped(p).ref()], taken) for p, taken in meeting.when
+                               if passed and _unwrapped(p).ref() in passed)
+                self.meetings.append(dataclasses.replace(meeting, calls=(op, *meeting.calls), held=checked,
+                                                         when=when + inside))
 
     def _looped(self, op, axes):
         """A ``while`` loop's outputs (its variables after it): the body followed from the loop's inputs until its
@@ -352,9 +359,7 @@ class RowAxes:
         if not any(isinstance(a, Listed) and a.element == ROW and not a.one_row for a in state):
             return
         for k, axis in enumerate(state):
-            out = body.outputs[k]
-            while out.op.type == "Identity" and out.op.inputs:
-                out = out.op.inputs[0]
+            out = _unwrapped(body.outputs[k])
             if axis == ROW and out.ref() != body.inputs[k].ref() and _reads(out, body.inputs[k]):
                 self.meetings.append(Meeting(op, "carried", held or ((op.inputs[k], ROW),)))
                 return
@@ -415,8 +420,9 @@ class RowAxes:
         results = []
         for body in bodies:
             inner = self._inner(body, inputs)
-            # A branch's meetings are checked in the steps that take it (a cond inside a function: in every step).
-            self._record(op, inner, held, ((op.inputs[0], body is bodies[0]),) if op.type in _BRANCHES else ())
+            # A branch's meetings are checked in the steps that take it (a cond inside a function: see _record).
+            self._record(op, inner, held, ((op.inputs[0], body is bodies[0]),) if op.type in _BRANCHES else (),
+                         {p.ref(): x for p, (x, _) in zip(body.inputs, inputs)})
             results.append([(inner.axis(t), inner.entries(t), inner._sources.get(t.ref())) for t in body.outputs])
         outputs = []
         for tensor, (axis, entries, source), *others in zip(op.outputs, *results):
@@ -604,6 +610,13 @@ def _nonlinear(op, axes):
     if op.type in _QUOTIENTS:
         return axes[1] == STATISTIC
     return op.type in _NONLINEAR and STATISTIC in axes
+
+
+def _unwrapped(tensor):
+    """``tensor`` read through ``Identity`` ops."""
+    while tensor.op.type == "Identity" and tensor.op.inputs:
+        tensor = tensor.op.inputs[0]
+    return tensor
 
 
 def _reads(tensor, source):
