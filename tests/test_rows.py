@@ -118,6 +118,12 @@ MEETINGS = {
     "pairwise_distances": (lambda q, d, w: tf.norm(tf.expand_dims(q, 1) - tf.expand_dims(d, 0), axis=-1),
                            "pairing every row of the batch with every other"),
     "cumulative": (lambda q, d, w: tf.cumsum(q, axis=0), "(Cumsum along the rows of the batch, axis 0"),
+    "hardest_examples_kept": (
+        lambda q, d, w: tf.reduce_mean(tf.math.top_k(tf.reduce_sum(tf.square(q @ w - d), axis=1), k=2).values),
+        "Rows of the batch meet in TopKV2 (TopKV2 ranks the rows of the batch by value, axis 0 of its input ("),
+    "sorted_over_the_batch": (lambda q, d, w: tf.sort(q, axis=0), "ranks the rows of the batch by value, axis 1"),
+    "gathered_in_the_order_of_an_argsort": (lambda q, d, w: tf.gather(q, tf.argsort(q[:, 0])),
+                                            "ranks the rows of the batch by value, axis 0"),
     "whitened_by_the_gram_matrix": (lambda q, d, w: q @ tf.matmul(q, q, transpose_a=True),
                                     "with MatMul over the rows of the batch in MatMul, a statistic of the batch"),
     "an_einsum_with_a_statistic": (lambda q, d, w: tf.einsum("bi,ij->bj", q, tf.einsum("bi,bj->ij", d, d)),
@@ -143,7 +149,8 @@ def test_rows_meeting_a_gathered_side_or_each_alone_run():
     # Over kp.all_gather's rows (the fix the message gives); per row (a softmax, a norm, a centering across the
     # columns); per row and step (attention scores, a position added to each row); a layer normalization; a
     # per-worker BatchNormalization (Keras' own statistics, as sync_batch_norm=False asks); a loss's mean; Keras'
-    # losses, a masked one too (the step counts its valid entries over the workers itself).
+    # losses, a masked one too (the step counts its valid entries over the workers itself); a top-k and a sort of
+    # each row's values, Keras' top-k accuracy.
     norm = tf.keras.layers.LayerNormalization()
     rows_meet.install()  # as a strategy does
     masked_loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0)
@@ -159,7 +166,9 @@ def test_rows_meeting_a_gathered_side_or_each_alone_run():
                   lambda q, d, w: tf.reduce_mean(q) + tf.reduce_sum(q * d),
                   lambda q, d, w: masked_loss(d[:, 0], q @ w),
                   lambda q, d, w: tf.keras.losses.cosine_similarity(q, d),
-                  lambda q, d, w: tf.keras.losses.categorical_crossentropy(tf.nn.softmax(d), q @ w)):
+                  lambda q, d, w: tf.keras.losses.categorical_crossentropy(tf.nn.softmax(d), q @ w),
+                  lambda q, d, w: tf.math.top_k(q @ w, k=2).values - tf.sort(d, axis=1)[:, :2],
+                  lambda q, d, w: tf.keras.metrics.top_k_categorical_accuracy(d, q, k=2)):
         assert _refusal(alone) is None
 
 

@@ -35,6 +35,8 @@ batch and each worker over its own part (``meetings``):
 - ``pairwise``: two tensors with rows on different axes broadcast against each other (pairwise differences,
   ``a[:, None] - b[None, :]``);
 - ``cumulative``: a cumulative sum or product along the rows;
+- ``ranked``: the rows ranked by value (``tf.math.top_k`` along them: the hardest examples of the batch kept,
+  ``tf.sort`` or ``tf.argsort`` over it);
 - ``carried``: a loop over a list of the batch's rows carrying a value computed from one row to the next
   (``tf.scan``'s accumulator);
 - ``nonlinear``: a statistic taken through a function other than a sum, a difference or a scaling by values without
@@ -242,6 +244,8 @@ class RowAxes:
             return [self._reduced(op, axes)]
         if kind in _SOFTMAX or kind in _CUMULATIVE:
             return [self._along(op, axes)]
+        if kind == "TopKV2":  # (input, k) -> (values, indices) along the last axis
+            return self._top_k(op, axes)
         if kind in ("ConcatV2", "Pack"):
             return [self._joined(op, axes)]
         if kind == "Reshape":
@@ -513,6 +517,17 @@ class RowAxes:
             self.meetings.append(Meeting(op, "softmax" if op.type in _SOFTMAX else "cumulative", ((x, axis),)))
             return UNKNOWN
         return axis
+
+    def _top_k(self, op, axes):
+        """``TopKV2``'s values and indices: the rows stay on their axis unless it is the last, which it ranks (a
+        ``ranked`` meeting)."""
+        x, axis = op.inputs[0], axes[0]
+        if not isinstance(axis, int) or axes[1] is not None or x.shape.rank is None:
+            return [UNKNOWN, UNKNOWN]
+        if axis == x.shape.rank - 1:
+            self.meetings.append(Meeting(op, "ranked", ((x, axis),)))
+            return [UNKNOWN, UNKNOWN]
+        return [axis, axis]
 
     def _summed(self, op, held, statistics):
         """Product ``op`` summing over the rows ``held`` (tensor, axis): ``STATISTIC``, recorded as a reduction of
