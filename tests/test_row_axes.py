@@ -65,6 +65,8 @@ EXPRESSIONS = {
     "each row's top values": (lambda x, ids, w: tf.math.top_k(x, k=2).values, 0),
     "each row's values sorted": (lambda x, ids, w: tf.sort(x, axis=-1, direction="DESCENDING"), 0),
     "each row's order": (lambda x, ids, w: tf.argsort(x), 0),
+    "each row's values rolled": (lambda x, ids, w: tf.roll(x, shift=1, axis=1), 0),
+    "each row's values reversed": (lambda x, ids, w: tf.reverse(x[None], axis=[2]), 1),
     "a function of its own": (lambda x, ids, w: tf.function(lambda t: t * 2.0)(x), 0),
     "a function's column sums": (lambda x, ids, w: tf.function(lambda t: tf.reduce_sum(t, 0))(x), STATISTIC),
     "a function called in a function": (lambda x, ids, w: tf.function(lambda t: tf.function(tf.transpose)(t))(x), 1),
@@ -81,8 +83,8 @@ EXPRESSIONS = {
     "a Keras GRU's sequences": (
         lambda x, ids, w: tf.keras.layers.GRU(2, return_sequences=True)(x[:, None, :] * tf.ones([1, 4, 1])), 0),
     "a map over the rows": (lambda x, ids, w: tf.map_fn(lambda r: r * 2.0, x), 0),
-    "a map of each row's own mean": (lambda x, ids, w: tf.map_fn(lambda r: tf.nn.relu(r[None] @ w)[0] - tf.reduce_mean(r), x),
-                                     0),
+    "a map of each row's own mean": (
+        lambda x, ids, w: tf.map_fn(lambda r: tf.nn.relu(r[None] @ w)[0] - tf.reduce_mean(r), x), 0),
     "a map of the transposed rows": (lambda x, ids, w: tf.map_fn(lambda r: r * 2.0, tf.transpose(x)), 1),
     "a map of a function of each row": (lambda x, ids, w: tf.map_fn(tf.function(lambda r: r[::-1]), x), 0),
     "a map over a row's values, in a map": (

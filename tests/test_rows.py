@@ -121,6 +121,10 @@ MEETINGS = {
     "hardest_examples_kept": (
         lambda q, d, w: tf.reduce_mean(tf.math.top_k(tf.reduce_sum(tf.square(q @ w - d), axis=1), k=2).values),
         "Rows of the batch meet in TopKV2 (TopKV2 ranks the rows of the batch by value, axis 0 of its input ("),
+    "negatives_by_rolling_the_batch": (
+        lambda q, d, w: tf.reduce_sum(q * tf.roll(d, shift=1, axis=0), axis=1),
+        "Rows of the batch meet in Roll (Roll reorders the rows of the batch along axis 0 of its input ("),
+    "the_batch_reversed": (lambda q, d, w: q - tf.reverse(d, axis=[0]), "(ReverseV2 reorders the rows of the batch"),
     "sorted_over_the_batch": (lambda q, d, w: tf.sort(q, axis=0), "ranks the rows of the batch by value, axis 1"),
     "gathered_in_the_order_of_an_argsort": (lambda q, d, w: tf.gather(q, tf.argsort(q[:, 0])),
                                             "ranks the rows of the batch by value, axis 0"),
@@ -150,7 +154,7 @@ def test_rows_meeting_a_gathered_side_or_each_alone_run():
     # columns); per row and step (attention scores, a position added to each row); a layer normalization; a
     # per-worker BatchNormalization (Keras' own statistics, as sync_batch_norm=False asks); a loss's mean; Keras'
     # losses, a masked one too (the step counts its valid entries over the workers itself); a top-k and a sort of
-    # each row's values, Keras' top-k accuracy.
+    # each row's values, Keras' top-k accuracy; each row's values rolled and reversed.
     norm = tf.keras.layers.LayerNormalization()
     rows_meet.install()  # as a strategy does
     masked_loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0)
@@ -168,7 +172,8 @@ def test_rows_meeting_a_gathered_side_or_each_alone_run():
                   lambda q, d, w: tf.keras.losses.cosine_similarity(q, d),
                   lambda q, d, w: tf.keras.losses.categorical_crossentropy(tf.nn.softmax(d), q @ w),
                   lambda q, d, w: tf.math.top_k(q @ w, k=2).values - tf.sort(d, axis=1)[:, :2],
-                  lambda q, d, w: tf.keras.metrics.top_k_categorical_accuracy(d, q, k=2)):
+                  lambda q, d, w: tf.keras.metrics.top_k_categorical_accuracy(d, q, k=2),
+                  lambda q, d, w: tf.roll(q, shift=1, axis=1) * tf.reverse(d, axis=[-1])):
         assert _refusal(alone) is None
 
 
@@ -194,7 +199,8 @@ MEETINGS_INSIDE = {
     "a_cond_on_a_flag_passed_into_a_function": (
         lambda q, d, w: tf.function(lambda t, flag: tf.cond(flag, lambda: _center(t), lambda: t))(
             q, tf.reduce_sum(w) > 0),
-        "Rows of the batch meet in cond/sub, in the function called by cond, in the function called by PartitionedCall"),
+        "Rows of the batch meet in cond/sub, in the function called by cond, in the function called by "
+        "PartitionedCall"),
     "pairwise_in_a_function": (lambda q, d, w: tf.function(lambda a, b: a[:, None, :] - b[None, :, :])(q, d),
                                "pairing every row of the batch with every other"),
     "a_softmax_in_a_function": (lambda q, d, w: tf.function(lambda t: tf.nn.softmax(t, axis=0))(q @ w),
@@ -215,9 +221,11 @@ RNNS = {}  # the layers of the test running (``rnns``)
 
 @pytest.fixture(name="rnns")
 def _rnns():
-    """A Keras LSTM and GRU of 3 units made by each test, eagerly: made at import, another test's tf.compat.v1 graph
-    would leave them invalid; made in the step, tf.function's second trace would refuse their variables."""
-    RNNS.update(lstm=tf.keras.layers.LSTM(3), gru=tf.keras.layers.GRU(3, return_sequences=True))
+    """A Keras LSTM, GRU and bidirectional GRU of 3 units made by each test, eagerly: made at import, another test's
+    tf.compat.v1 graph would leave them invalid; made in the step, tf.function's second trace would refuse their
+    variables."""
+    RNNS.update(lstm=tf.keras.layers.LSTM(3), gru=tf.keras.layers.GRU(3, return_sequences=True),
+                bidirectional=tf.keras.layers.Bidirectional(tf.keras.layers.GRU(3, return_sequences=True)))
     yield RNNS
     RNNS.clear()
 
@@ -298,7 +306,8 @@ def _ctc_loss(q, d, w):
 
 @pytest.mark.usefixtures("rnns")
 def test_per_row_work_past_a_keras_rnn_or_a_while_loop_runs():
-    # An RNN's outputs per row (a dense layer, a loss's mean, its sequences' per-step softmax), a loop over the
+    # An RNN's outputs per row (a dense layer, a loss's mean, its sequences' per-step softmax; a bidirectional one
+    # reversing its time steps), a loop over the
     # columns' lists, tf.map_fn's function of each row alone (with a weight, a scan and a list of its own), each
     # row's own value past it, Keras' CTC loss (a tf.scan over the rows reading its accumulator's shape alone: it
     # was refused before that was told apart) meet nothing.
@@ -306,6 +315,7 @@ def test_per_row_work_past_a_keras_rnn_or_a_while_loop_runs():
     for alone in (lambda q, d, w: tf.reduce_mean(tf.square(dense(_lstm(q)) - d[:, :2])),
                   lambda q, d, w: tf.nn.softmax(_gru_sequences(q), axis=-1),
                   lambda q, d, w: tf.keras.losses.cosine_similarity(_lstm(q), d),
+                  lambda q, d, w: RNNS["bidirectional"](_sequence(q)),
                   lambda q, d, w: tf.map_fn(lambda r: r - tf.reduce_mean(r), q),
                   lambda q, d, w: tf.nn.softmax(tf.map_fn(lambda r: tf.nn.softmax(r[None] @ w)[0], q)),
                   lambda q, d, w: tf.map_fn(lambda r: tf.scan(lambda a, v: a * v, r), q) - d,

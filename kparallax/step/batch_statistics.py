@@ -28,7 +28,7 @@ from kparallax.step import row_axes
 from kparallax.step import rows
 
 _MADE_GLOBAL = {"nonlinear", "statistic"}  # the meetings that the global batch's statistics make one process's
-_OTHER_MEETINGS = {"softmax", "pairwise", "cumulative", "carried", "ranked"}
+_OTHER_MEETINGS = {"softmax", "pairwise", "cumulative", "carried", "ranked", "shifted"}
 
 
 def globalized(call, y_true, y_pred):

@@ -35,6 +35,8 @@ batch and each worker over its own part (``meetings``):
 - ``pairwise``: two tensors with rows on different axes broadcast against each other (pairwise differences,
   ``a[:, None] - b[None, :]``);
 - ``cumulative``: a cumulative sum or product along the rows;
+- ``shifted``: the rows rolled or reversed along their axis (``tf.roll(x, 1, axis=0)``: each row paired with another
+  row's place, as negatives taken by rolling the batch are);
 - ``ranked``: the rows ranked by value (``tf.math.top_k`` along them: the hardest examples of the batch kept,
   ``tf.sort`` or ``tf.argsort`` over it);
 - ``carried``: a loop over a list of the batch's rows carrying a value computed from one row to the next
@@ -246,6 +248,8 @@ class RowAxes:
             return [self._along(op, axes)]
         if kind == "TopKV2":  # (input, k) -> (values, indices) along the last axis
             return self._top_k(op, axes)
+        if kind in ("Roll", "ReverseV2"):  # (input, shift, axis), (tensor, axis)
+            return [self._reordered(op, axes)]
         if kind in ("ConcatV2", "Pack"):
             return [self._joined(op, axes)]
         if kind == "Reshape":
@@ -515,6 +519,20 @@ class RowAxes:
             return UNKNOWN
         if int(along) % x.shape.rank == axis:
             self.meetings.append(Meeting(op, "softmax" if op.type in _SOFTMAX else "cumulative", ((x, axis),)))
+            return UNKNOWN
+        return axis
+
+    def _reordered(self, op, axes):
+        """``Roll`` and ``ReverseV2``: the rows stay on their axis unless it is one they reorder (a ``shifted``
+        meeting)."""
+        x, axis = op.inputs[0], axes[0]
+        if not isinstance(axis, int) or any(a is not None for a in axes[1:]) or x.shape.rank is None:
+            return UNKNOWN if axis != STATISTIC else STATISTIC
+        along = _constant(op.inputs[-1])
+        if along is None:
+            return UNKNOWN
+        if axis in {int(a) % x.shape.rank for a in np.atleast_1d(along)}:
+            self.meetings.append(Meeting(op, "shifted", ((x, axis),)))
             return UNKNOWN
         return axis
 

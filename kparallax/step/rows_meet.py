@@ -16,8 +16,8 @@ has its sample's rows, so it passes. Products in functions of their own (a ``tf.
 body) are not seen (the meetings below are: ``row_axes`` follows calls and loops).
 
 Rows that meet in other ways (``row_axes``: a statistic over the batch combined with its rows, a softmax over the
-batch axis, pairwise differences, a cumulative sum along the rows, a top-k or sort over them, a value a loop over
-them carries from row to row) get the same kind of check: it fails when the
+batch axis, pairwise differences, a cumulative sum along the rows, a top-k or sort over them, a roll or reverse
+of them, a value a loop over them carries from row to row) get the same kind of check: it fails when the
 tensors meeting there have as many rows as the worker's batch on the axes that hold them. Ops made under ``apart()``
 (BatchNormalization's per-worker statistics, ``sync_batch_norm=False``; Keras' masked mean loss, whose valid count
 the step counts over the workers itself) and ``kp.all_gather``'s outputs are not followed. Only the forward pass's
@@ -261,6 +261,9 @@ def _meeting_message(meeting, where):
                    f"those of {other.shape} (axis {other_axis})")
         how = (f"{op.type} combines the rows of {x.shape} (axis {axis}) with {against}, pairing every row of the "
                "batch with every other, as pairwise differences do")
+    elif meeting.kind == "shifted":
+        how = (f"{op.type} reorders the rows of the batch along axis {axis} of its input {x.shape}, putting each row "
+               "in another row's place, as negatives taken by rolling or reversing the batch are")
     elif meeting.kind == "ranked":
         how = (f"{op.type} ranks the rows of the batch by value, axis {axis} of its input {x.shape}, as tf.math.top_k "
                "keeping the hardest examples of the batch, tf.sort or tf.argsort over the batch do")
