@@ -97,6 +97,10 @@ _ROUNDS = 4  # a loop's body followed until its variables' axes settle, at most 
 _DEEPEST = 8  # functions called inside functions: followed this many levels deep
 _SOFTMAX = {"Softmax", "LogSoftmax"}
 _CUMULATIVE = {"Cumsum", "Cumprod", "CumulativeLogsumexp"}
+# Ops running along axes of their first input: the meeting where one of them holds the rows, and the input naming
+# them (None: the last axis).
+_ALONG = {**{kind: ("softmax", None) for kind in _SOFTMAX}, **{kind: ("cumulative", 1) for kind in _CUMULATIVE},
+          "TopKV2": ("ranked", None), "Roll": ("shifted", 2), "ReverseV2": ("shifted", 1)}
 # Functions of a statistic other than sums, differences and scalings (``nonlinear``): ops that pass it on as it is,
 # and those of a piecewise constant output (no gradient), are not.
 _NONLINEAR = (_UNARY - {"Identity", "Snapshot", "StopGradient", "PreventGradient", "Cast", "Neg", "CheckNumerics",
@@ -244,12 +248,10 @@ class RowAxes:
             return [self._broadcast(op, axes)]
         if kind in _REDUCTIONS or kind in _ARG_REDUCTIONS:
             return [self._reduced(op, axes)]
-        if kind in _SOFTMAX or kind in _CUMULATIVE:
+        if kind == "TopKV2":  # (input, k) -> (values, indices); a statistic's top values are not followed
+            return [UNKNOWN if axes[0] == STATISTIC else self._along(op, axes)] * 2
+        if kind in _ALONG:
             return [self._along(op, axes)]
-        if kind == "TopKV2":  # (input, k) -> (values, indices) along the last axis
-            return self._top_k(op, axes)
-        if kind in ("Roll", "ReverseV2"):  # (input, shift, axis), (tensor, axis)
-            return [self._reordered(op, axes)]
         if kind in ("ConcatV2", "Pack"):
             return [self._joined(op, axes)]
         if kind == "Reshape":
@@ -510,42 +512,19 @@ class RowAxes:
         return axis if keep else axis - sum(a < axis for a in reduced)
 
     def _along(self, op, axes):
-        """A softmax (last axis) or a cumulative op (its axis input): a meeting when it runs along the rows."""
+        """An op of ``_ALONG`` (a softmax, a cumulative op, a top-k, a roll or reverse): a meeting when it runs along
+        the rows; else the rows stay on their axis."""
         x, axis = op.inputs[0], axes[0]
         if not isinstance(axis, int) or any(a is not None for a in axes[1:]) or x.shape.rank is None:
             return UNKNOWN if axis != STATISTIC else STATISTIC
-        along = x.shape.rank - 1 if op.type in _SOFTMAX else _constant(op.inputs[1])
-        if along is None:
-            return UNKNOWN
-        if int(along) % x.shape.rank == axis:
-            self.meetings.append(Meeting(op, "softmax" if op.type in _SOFTMAX else "cumulative", ((x, axis),)))
-            return UNKNOWN
-        return axis
-
-    def _reordered(self, op, axes):
-        """``Roll`` and ``ReverseV2``: the rows stay on their axis unless it is one they reorder (a ``shifted``
-        meeting)."""
-        x, axis = op.inputs[0], axes[0]
-        if not isinstance(axis, int) or any(a is not None for a in axes[1:]) or x.shape.rank is None:
-            return UNKNOWN if axis != STATISTIC else STATISTIC
-        along = _constant(op.inputs[-1])
+        kind, named_by = _ALONG[op.type]
+        along = x.shape.rank - 1 if named_by is None else _constant(op.inputs[named_by])
         if along is None:
             return UNKNOWN
         if axis in {int(a) % x.shape.rank for a in np.atleast_1d(along)}:
-            self.meetings.append(Meeting(op, "shifted", ((x, axis),)))
+            self.meetings.append(Meeting(op, kind, ((x, axis),)))
             return UNKNOWN
         return axis
-
-    def _top_k(self, op, axes):
-        """``TopKV2``'s values and indices: the rows stay on their axis unless it is the last, which it ranks (a
-        ``ranked`` meeting)."""
-        x, axis = op.inputs[0], axes[0]
-        if not isinstance(axis, int) or axes[1] is not None or x.shape.rank is None:
-            return [UNKNOWN, UNKNOWN]
-        if axis == x.shape.rank - 1:
-            self.meetings.append(Meeting(op, "ranked", ((x, axis),)))
-            return [UNKNOWN, UNKNOWN]
-        return [axis, axis]
 
     def _summed(self, op, held, statistics):
         """Product ``op`` summing over the rows ``held`` (tensor, axis): ``STATISTIC``, recorded as a reduction of
