@@ -3,7 +3,8 @@
 At each start/stop mark the driver takes a ``snapshot``: the machine's busy time (``/proc/stat``: user, nice,
 system, irq, softirq) and every process's user+system time (``/proc/<pid>/stat``) under a role read from its
 command line and environment: ``worker`` (a benchmark worker; the tf-pss chief is ``chief``), ``ps`` (a kparallax
-PS task or a tf-pss PS server), ``other`` for the rest. ``diff`` gives CPU-seconds per role between two snapshots
+PS task or a tf-pss PS server), ``other`` for the rest (``kparallax-run``'s launchers among them: before, counted as
+workers, their command lines holding the worker's). ``diff`` gives CPU-seconds per role between two snapshots
 plus ``kernel`` (busy time no process was charged for: network soft interrupts of the emulated links, mostly);
 ``peak_memory`` gives the peak resident memory by role at the stop mark.
 Linux only; elsewhere the snapshot is empty and nothing is reported.
@@ -23,6 +24,8 @@ def _role(pid):
         return None
     if b"kparallax.cluster.ps_server" in argv:
         return "ps"
+    if b"kparallax.launch" in argv:  # a launcher (its command line holds the worker's after "--")
+        return "other"
     if not any(a.endswith(b"kparallax_bench.worker") or a.endswith(b"kparallax_bench/worker.py") for a in argv):
         return "other"
     env = _environ(pid)

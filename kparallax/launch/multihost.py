@@ -28,6 +28,12 @@ POLL_SECONDS = 0.5
 COORDINATOR_LOST_SECONDS = 10.0
 
 
+def _per_host(values, key, hosts):
+    """``[values.get(key(j)) for each host j]`` as {j: value}: the keys of ``get_prefixed``'s answer, host by host
+    (exact keys: a prefix ``..._host_1`` would also match host 10's)."""
+    return {j: values.get(key(j)) for j in range(hosts)}
+
+
 def _status(code, name, what, restartable=True):
     return f"failed|{code}|{int(restartable)}|{name}|{what}"
 
@@ -49,7 +55,9 @@ class _Watcher:
         return f"a{self.attempt}_host_{j}"
 
     def statuses(self):
-        return {j: rendezvous.get(self._coordinator, self.key(j)) for j in range(len(self._plan.hosts))}
+        """Every host's status (None where not set yet), read in one request."""
+        return _per_host(rendezvous.get_prefixed(self._coordinator, f"a{self.attempt}_host_"),
+                         self.key, len(self._plan.hosts))
 
     def poll(self, force=False):
         """(statuses or None, Failure or None); reads the coordinator at most every POLL_SECONDS unless ``force``."""
@@ -190,8 +198,9 @@ def _agree_on_restart(plan, i, attempt, coordinator, slots, watcher):
     go = f"a{attempt + 1}_go"
     if i == 0:
         while True:
-            waiting = [j for j in range(len(plan.hosts)) if not rendezvous.get(plan.coordinator,
-                                                                                 f"a{attempt}_stopped_{j}")]
+            stopped = _per_host(rendezvous.get_prefixed(plan.coordinator, f"a{attempt}_stopped_"),
+                                lambda j: f"a{attempt}_stopped_{j}", len(plan.hosts))
+            waiting = [j for j, value in stopped.items() if not value]
             if not waiting:
                 break
             final = _final_failure(watcher)
@@ -280,8 +289,9 @@ def _linger(watcher, plan, seconds=10.0):
             if any(s and s.startswith("failed|") for s in statuses.values()):
                 time.sleep(2 * POLL_SECONDS + 0.5)  # long enough for every launcher's next poll
                 return
-            acks = [rendezvous.get(plan.coordinator, f"a{watcher.attempt}_ack_{j}") for j in range(len(plan.hosts))]
-            if all(acks):
+            acks = _per_host(rendezvous.get_prefixed(plan.coordinator, f"a{watcher.attempt}_ack_"),
+                             lambda j: f"a{watcher.attempt}_ack_{j}", len(plan.hosts))
+            if all(acks.values()):
                 return
         except OSError:
             return
