@@ -41,7 +41,11 @@ EXPRESSIONS = {
     "each row's values as entries": (lambda x, ids, w: tf.reshape(x, [-1]), 0),
     "entries joined back into rows": (lambda x, ids, w: tf.reshape(tf.reshape(x, [-1, 1]) * 2.0, [-1, 3]), 0),
     "entries split by a shape read": (lambda x, ids, w: tf.reshape(x[:, None] + w, [-1, tf.shape(w)[-1]]), 0),
-    "two rows joined into one entry": (lambda x, ids, w: tf.reshape(x, [-1, 6]), UNKNOWN),
+    "two whole rows joined into one entry": (lambda x, ids, w: tf.reshape(x, [-1, 6]), 0),
+    "rows joined in pairs, each pair's first": (lambda x, ids, w: tf.reshape(x, [-1, 2, 3])[:, 0], 0),
+    "pairs of rows split back into rows": (lambda x, ids, w: tf.reshape(tf.reshape(x, [-1, 6]) * 2.0, [-1, 3]), 0),
+    "rows joined into two entries": (lambda x, ids, w: tf.reshape(x, [2, -1]), UNKNOWN),
+    "a row and part of the next in one entry": (lambda x, ids, w: tf.reshape(x, [-1, 2]), UNKNOWN),
     "rows of distinct ids, repeated": (lambda x, ids, w: tf.gather(tf.gather(w, tf.unique(ids)[0]), tf.unique(ids)[1]),
                                        0),
     "a set of distinct ids": (lambda x, ids, w: tf.unique(ids)[0], None),
@@ -244,3 +248,29 @@ def test_a_weight_s_gradient_is_not_a_statistic_of_the_batch():
     step.get_concrete_function()
     assert seen["axes"] == [STATISTIC, UNKNOWN, UNKNOWN] and not seen["meetings"], seen
     assert (True, UNKNOWN) in seen["products"] and (False, STATISTIC) in seen["products"], seen
+
+
+def test_rows_joined_in_groups_count_a_fraction_of_an_entry_and_meet_past_the_reshape():
+    """Triplets laid out row after row ([B, d] -> [-1, 3, d]): each entry holds 3 rows, so a worker's groups are one
+    process's; a loss per triplet meets no rows, each anchor's distance to every triplet's negative does (before, the
+    reshape's output was UNKNOWN and that meeting was not seen); it is checked on 1/3 entry per row."""
+    from fractions import Fraction  # pylint: disable=import-outside-toplevel
+    for rows in (None, 6):
+        graph = tf.Graph()
+        with graph.as_default():
+            x = tf.compat.v1.placeholder(tf.float32, [rows, 4])
+            first = len(graph.get_operations())
+            triplets = tf.reshape(x, [-1, 3, 4])
+            anchor, positive, negative = tf.unstack(triplets, axis=1)
+            per_triplet = tf.nn.relu(tf.reduce_sum(tf.square(anchor - positive), 1)
+                                     - tf.reduce_sum(tf.square(anchor - negative), 1) + 1.0)
+            axes = row_axes.RowAxes((x,))
+            axes.follow(graph.get_operations()[first:])
+            assert (axes.axis(triplets), axes.entries(triplets)) == (0, Fraction(1, 3)), rows
+            assert (axes.axis(per_triplet), axes.entries(per_triplet)) == (0, Fraction(1, 3)), rows
+            assert not axes.meetings, [m.op.name for m in axes.meetings]
+            first = len(graph.get_operations())
+            hardest = tf.reduce_min(tf.reduce_sum(tf.square(anchor[:, None] - negative[None]), -1), axis=1)
+            axes.follow(graph.get_operations()[first:])
+            assert axes.axis(hardest) == UNKNOWN and [m.kind for m in axes.meetings] == ["pairwise"], rows
+            assert [axes.entries(t) for t, _ in axes.meetings[0].checked] == [Fraction(1, 3)] * 2, rows

@@ -71,6 +71,9 @@ SCORED = {
     "matmul_of_a_transpose": lambda q, d, w: q @ tf.transpose(d),
     "einsum": lambda q, d, w: tf.einsum("id,jd->ij", q, d),
     "towers": lambda q, d, w: tf.matmul(tf.tanh(q @ w), tf.nn.relu(d @ w), transpose_b=True),
+    # pairs laid out row after row, each pair's first row scored against every pair's second (before: not seen)
+    "pairs_joined_by_a_reshape": lambda q, d, w: tf.matmul(tf.reshape(q, [-1, 2, 3])[:, 0],
+                                                           tf.reshape(d, [-1, 2, 3])[:, 1], transpose_b=True),
 }
 
 
@@ -131,7 +134,11 @@ MEETINGS = {
     "whitened_by_the_gram_matrix": (lambda q, d, w: q @ tf.matmul(q, q, transpose_a=True),
                                     "with MatMul over the rows of the batch in MatMul, a statistic of the batch"),
     "an_einsum_with_a_statistic": (lambda q, d, w: tf.einsum("bi,ij->bj", q, tf.einsum("bi,bj->ij", d, d)),
-                                   "(Einsum combines rows of (")}
+                                   "(Einsum combines rows of ("),
+    "pairs_joined_by_a_reshape_against_every_pair": (
+        lambda q, d, w: tf.reduce_min(tf.norm(tf.reshape(q, [-1, 2, 3])[:, 0][:, None]
+                                              - tf.reshape(q, [-1, 2, 3])[None, :, 1], axis=-1), axis=1),
+        "pairing every row of the batch with every other")}
 
 
 @pytest.mark.parametrize("name", sorted(MEETINGS))
@@ -154,7 +161,8 @@ def test_rows_meeting_a_gathered_side_or_each_alone_run():
     # columns); per row and step (attention scores, a position added to each row); a layer normalization; a
     # per-worker BatchNormalization (Keras' own statistics, as sync_batch_norm=False asks); a loss's mean; Keras'
     # losses, a masked one too (the step counts its valid entries over the workers itself); a top-k and a sort of
-    # each row's values, Keras' top-k accuracy; each row's values rolled and reversed.
+    # each row's values, Keras' top-k accuracy; each row's values rolled and reversed; a distance within each pair of
+    # rows laid out row after row (joined by a reshape).
     norm = tf.keras.layers.LayerNormalization()
     rows_meet.install()  # as a strategy does
     masked_loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0)
@@ -173,7 +181,9 @@ def test_rows_meeting_a_gathered_side_or_each_alone_run():
                   lambda q, d, w: tf.keras.losses.categorical_crossentropy(tf.nn.softmax(d), q @ w),
                   lambda q, d, w: tf.math.top_k(q @ w, k=2).values - tf.sort(d, axis=1)[:, :2],
                   lambda q, d, w: tf.keras.metrics.top_k_categorical_accuracy(d, q, k=2),
-                  lambda q, d, w: tf.roll(q, shift=1, axis=1) * tf.reverse(d, axis=[-1])):
+                  lambda q, d, w: tf.roll(q, shift=1, axis=1) * tf.reverse(d, axis=[-1]),
+                  lambda q, d, w: tf.reduce_sum(tf.square(tf.reduce_sum(tf.reshape(q, [-1, 2, 3]) * [[1.0], [-1.0]],
+                                                                         axis=1)), axis=1)):
         assert _refusal(alone) is None
 
 

@@ -9,8 +9,9 @@ order they were made, and gives each output one of:
   values without rows;
 - ``ROW``: one row of the batch, an element of a list of its rows (what ``tf.map_fn``'s and ``tf.scan``'s
   function gets), and what is computed from it and values without rows;
-- ``UNKNOWN``: anything else the batch reaches (an op not followed here, a collective, several rows' values
-  joined into one entry by a reshape). Nothing is refused from it.
+- ``UNKNOWN``: anything else the batch reaches (an op not followed here, a collective, parts of several rows
+  joined into one entry by a reshape, or rows joined into a count of entries the batch does not set). Nothing is
+  refused from it.
 A list of tensors (a ``TensorArray``, a variant handle) made of a tensor's slices along an axis gets ``Listed``: its
 elements' rows' axis (a Keras RNN's time steps: the slices along an axis after the rows'), or ``ROW`` (the slices
 along the rows' axis: ``tf.map_fn``'s); stacked back, the rows are on the axis they came from.
@@ -24,7 +25,10 @@ variables' axes settle, and its meetings are the loop's. A function or loop in a
 followed.
 
 A reshape may split each row's values into several entries of the rows' axis (``[B, T, V] -> [B * T, V]``, as a
-sequence's cross-entropy does) and join them back (``[B * T] -> [B, T]``): ``entries`` counts them.
+sequence's cross-entropy does) and join them back (``[B * T] -> [B, T]``): ``entries`` counts them. It may also
+join k whole consecutive rows into one entry (``[B, d] -> [-1, 3, d]``: triplets laid out row after row; entries
+1/k): each worker's part of the batch then starts at a multiple of k (else its reshape fails, as one process's
+does on such a batch), so its groups are one process's, and what follows is followed as for rows.
 
 While it follows them it records the ops where rows of the batch meet, which one process computes over the global
 batch and each worker over its own part (``meetings``):
@@ -56,6 +60,7 @@ can miss a meeting but does not make one up.
 """
 
 import dataclasses
+import fractions
 
 import numpy as np
 import tensorflow as tf
@@ -163,7 +168,7 @@ class RowAxes:
         self._sources = {}  # a statistic's ref -> (its reduction's op, the reduced tensor, the rows' axis)
         self.meetings = []
         self.reductions = []  # the ops reducing the batch's rows (statistics' sources)
-        self._merged = {}  # a tensor's ref -> the entries per row of the batch on its rows' axis, when more than 1
+        self._merged = {}  # a tensor's ref -> the entries per row of the batch on its rows' axis, when not 1
         self._listed_from = {}  # a list's ref -> (the tensor it was made of, that tensor's rows' axis)
         self._row_indices = set()  # the refs of the indices a list of rows was read at
 
@@ -197,9 +202,10 @@ class RowAxes:
         return self._axes.get(tensor.ref())
 
     def entries(self, tensor):
-        """How many entries of ``tensor``'s rows' axis each row of the batch has: 1, or more where a reshape merged
-        the rows with the axes after them (``[B, T, V] -> [B * T, V]``, as a sequence's cross-entropy does)."""
-        return self._merged.get(tensor.ref(), 1)
+        """How many entries of ``tensor``'s rows' axis each row of the batch has (a ``Fraction``): 1, more where a
+        reshape merged the rows with the axes after them (``[B, T, V] -> [B * T, V]``, as a sequence's
+        cross-entropy does), 1/k where it joined k rows into one entry (``[B, d] -> [-1, k, d]``)."""
+        return self._merged.get(tensor.ref(), fractions.Fraction(1))
 
     def _merge(self, op, axes, outputs):
         """``outputs`` (the rows' axes of ``op``'s outputs), recording the entries per row of those with rows: a
@@ -209,14 +215,16 @@ class RowAxes:
         entries = {self.entries(x) for x, a in zip(op.inputs, axes) if isinstance(a, int)}
         if len(entries) > 1:
             return [UNKNOWN if isinstance(a, int) else a for a in outputs]
-        if entries and max(entries) > 1:
-            self._merged.update((t.ref(), max(entries)) for t, a in zip(op.outputs, outputs) if isinstance(a, int))
+        if entries and entries != {1}:
+            self._merged.update((t.ref(), min(entries)) for t, a in zip(op.outputs, outputs) if isinstance(a, int))
         return outputs
 
     def _reshape(self, op, axes):
         """Rows stay on axis 0 when each entry of the output's first axis holds values of one row of the batch: the
         other axes keep their size (``Flatten``, ``[-1, d]`` of ``[B, d]``), or a row's values are split into
-        several entries (``[B, T, V] -> [-1, V]``: ``entries``) or joined back (``[B * T] -> [-1, T]``)."""
+        several entries (``[B, T, V] -> [-1, V]``: ``entries``) or joined back (``[B * T] -> [-1, T]``); or when
+        each entry holds k whole rows and the shape asks for as many entries as there are (``-1`` first:
+        ``[B, d] -> [-1, k, d]``)."""
         axis, before, after = axes[0], op.inputs[0].shape, _reshaped(op)
         if axis == STATISTIC and axes[1] is None:
             return [STATISTIC]
@@ -225,10 +233,12 @@ class RowAxes:
         if not after[1:].is_fully_defined() or not after[1:].num_elements():
             return [UNKNOWN]
         per_row = self.entries(op.inputs[0]) * before[1:].num_elements()  # the values of one row of the batch
-        if per_row % after[1:].num_elements():
-            return [UNKNOWN]  # an entry would hold values of several rows
-        entries = per_row // after[1:].num_elements()
-        if entries > 1:
+        entries = per_row / after[1:].num_elements()
+        if entries < 1 and (entries.numerator != 1 or not _first_size_left(op)):
+            return [UNKNOWN]  # an entry would hold parts of rows, or a count of entries not set by the batch
+        if entries.denominator != 1 and entries > 1:
+            return [UNKNOWN]  # an entry would hold the end of one row and the start of the next
+        if entries != 1:
             self._merged[op.outputs[0].ref()] = entries
         return [0]
 
@@ -316,7 +326,7 @@ class RowAxes:
         for placeholder, (x, axis) in zip(body.inputs, inputs):
             if axis is not None:
                 inner._axes[placeholder.ref()] = axis
-            if self.entries(x) > 1:
+            if self.entries(x) != 1:
                 inner._merged[placeholder.ref()] = self.entries(x)
             if x.ref() in self._sources:
                 inner._sources[placeholder.ref()] = self._sources[x.ref()]
@@ -344,7 +354,7 @@ class RowAxes:
         unknown = [UNKNOWN] * len(op.outputs)
         bodies = tf_compat.called_graphs(op)
         if (not bodies or self._depth >= _DEEPEST or BACKWARD in f"/{op.name}"
-                or any(self.entries(x) > 1 for x in op.inputs)
+                or any(self.entries(x) != 1 for x in op.inputs)
                 or len(bodies[0].inputs) != len(op.inputs) or len(bodies[0].outputs) != len(op.inputs)):
             return unknown
         state = list(axes)
@@ -389,7 +399,7 @@ class RowAxes:
         if kind == "TensorListFromTensor":
             if first == ROW and axes[1] is None:
                 return [Listed(ROW, one_row=True)]
-            if not isinstance(first, int) or axes[1] is not None or (first == 0 and self.entries(op.inputs[0]) > 1):
+            if not isinstance(first, int) or axes[1] is not None or (first == 0 and self.entries(op.inputs[0]) != 1):
                 return [UNKNOWN]
             self._listed_from[op.outputs[0].ref()] = (op.inputs[0], first)
             return [Listed(first - 1 if first else ROW)]
@@ -439,7 +449,7 @@ class RowAxes:
             if any(other[0] != axis for other in others):
                 outputs.append(UNKNOWN)
                 continue
-            if isinstance(axis, int) and entries > 1:
+            if isinstance(axis, int) and entries != 1:
                 self._merged[tensor.ref()] = entries
             if axis == STATISTIC and source is not None:
                 reduced = held[0] if held else source[1:]  # checked on the step's own tensors
@@ -671,6 +681,16 @@ def _constant(tensor, depth=8):
         return value
     inputs = [_constant(x, depth - 1) for x in tensor.op.inputs]
     return None if any(x is None for x in inputs) else np.asarray(_FOLDED[tensor.op.type](*inputs))
+
+
+def _first_size_left(op):
+    """Whether a ``Reshape``'s shape input leaves its first size to be inferred (``-1``, a constant)."""
+    shape = op.inputs[1]
+    first = _constant(shape.op.inputs[0]) if shape.op.type == "Pack" else None
+    if first is None:
+        value = _constant(shape)
+        first = None if value is None or not np.ndim(value) or not np.size(value) else np.ravel(value)[0]
+    return first is not None and int(np.ravel(first)[0]) == -1
 
 
 def _reshaped(op):

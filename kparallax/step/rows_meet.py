@@ -96,11 +96,16 @@ def refused(num_workers, micro_batches, data):
                   for meeting in [m for m in meetings if m.checked][:_MOST_CHECKS])
     rows = tf.cast(keras_losses.batch_rows(data), tf.int32) if checks else None
     for held, when, message in checks:  # each held tensor with as many rows as the batch (times its entries per row)
-        every = tf.reduce_all(tf.stack([tf.equal(tf.shape(t)[axis], rows * axes.entries(t)) for t, axis in held]
+        every = tf.reduce_all(tf.stack([_holds_every_row(t, axis, rows, axes.entries(t)) for t, axis in held]
                                        + [tf.equal(tf.cast(p, tf.bool), taken) for p, taken in when]))
         check = tf.debugging.Assert(tf.logical_not(every), [message])
         if getattr(_ACTIVE, "asserts", None) is not None:
             _ACTIVE.asserts.append(check)  # an op: the Assert itself, its data being strings
+
+
+def _holds_every_row(tensor, axis, rows, entries):
+    """Whether ``tensor``'s ``axis`` has the batch's ``rows`` times ``entries`` (a ``Fraction``) entries."""
+    return tf.equal(tf.shape(tensor)[axis] * entries.denominator, rows * entries.numerator)
 
 
 @contextlib.contextmanager
@@ -231,7 +236,7 @@ def _where(num_workers, micro_batches):
 def _message(op, a, b, where):
     """The product check's error (no apostrophes: TensorFlow escapes them in an assertion's message)."""
     return (f"The rows of the batch are scored against each other in {op.name} ({op.type} of {a.shape} and "
-            f"{b.shape} transposed, both with as many rows as the batch of this worker, as in-batch negatives do): "
+            f"{b.shape} transposed, both holding every row of the batch of this worker, as in-batch negatives do): "
             "each worker would score its own rows only, and the model would train apart from one process on the "
             f"global batch. Received: that product in the training step of {where}. Gather the candidate rows over "
             "the workers with kp.all_gather(value) and offset the labels by kp.row_offset(value) (with sync=True "

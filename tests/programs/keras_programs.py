@@ -1635,6 +1635,24 @@ def per_row_map(scope, batch):
     return model
 
 
+def _pair_difference_loss(y_true, y_pred):
+    """Pairs laid out row after row (rows 0-1, 2-3, ... of the batch): each pair's predicted difference against its
+    true one, one loss per pair."""
+    true, pred = tf.reshape(y_true, [-1, 2]), tf.reshape(y_pred, [-1, 2])
+    return tf.square((pred[:, 0] - pred[:, 1]) - (true[:, 0] - true[:, 1]))
+
+
+def paired_rows(scope, batch):
+    """A compiled loss over pairs of consecutive rows (each reshaped into one entry: [B, 1] -> [-1, 2]), on a dataset
+    with a partial last batch whose parts (16 + 6 rows on the workers, 22 in one process) hold whole pairs."""
+    model, history = _fit_on_partial_batches(
+        scope, batch, 61, lambda: tf.keras.Sequential([tf.keras.layers.Embedding(VOCAB, EMB),
+                                                      tf.keras.layers.GlobalAveragePooling1D(),
+                                                      tf.keras.layers.Dense(1)]), 0.1, loss=_pair_difference_loss)
+    model.logged = [np.array(history.history["loss"])]
+    return model
+
+
 def transformer_lm(scope, batch):
     """A causal transformer language model as Keras' examples write one: token and position tables, a decoder
     block (multi-head attention with a causal mask, LayerNormalization, a feed-forward net), next-token logits on
@@ -1895,6 +1913,7 @@ PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_by_tf_gradients, 
                                     run_eagerly_dense, two_optimizers,
                                     fine_tuning, own_compute_loss, own_embedding_layer,
                                     added_metrics, tracked_train_step, multi_output, transformer_lm, per_row_map,
+                                    paired_rows,
                                     steps_per_execution_partial, second_fit_other_batch, restore_best_weights,
                                     wide_deep_premade,
                                     built_by_first_step, train_on_batch_loop)}  # last two: they seed Keras' RNG
