@@ -28,10 +28,11 @@ POLL_SECONDS = 0.5
 COORDINATOR_LOST_SECONDS = 10.0
 
 
-def _per_host(values, key, hosts):
-    """``[values.get(key(j)) for each host j]`` as {j: value}: the keys of ``get_prefixed``'s answer, host by host
-    (exact keys: a prefix ``..._host_1`` would also match host 10's)."""
-    return {j: values.get(key(j)) for j in range(hosts)}
+def _per_host(coordinator, prefix, hosts):
+    """{j: the value of key ``<prefix><j>``, or None} for every host j, read from the coordinator in one request
+    (each host's exact key: the prefix ``..._host_1`` would also match host 10's)."""
+    values = rendezvous.get_prefixed(coordinator, prefix)
+    return {j: values.get(f"{prefix}{j}") for j in range(hosts)}
 
 
 def _status(code, name, what, restartable=True):
@@ -56,8 +57,7 @@ class _Watcher:
 
     def statuses(self):
         """Every host's status (None where not set yet), read in one request."""
-        return _per_host(rendezvous.get_prefixed(self._coordinator, f"a{self.attempt}_host_"),
-                         self.key, len(self._plan.hosts))
+        return _per_host(self._coordinator, f"a{self.attempt}_host_", len(self._plan.hosts))
 
     def poll(self, force=False):
         """(statuses or None, Failure or None); reads the coordinator at most every POLL_SECONDS unless ``force``."""
@@ -198,8 +198,7 @@ def _agree_on_restart(plan, i, attempt, coordinator, slots, watcher):
     go = f"a{attempt + 1}_go"
     if i == 0:
         while True:
-            stopped = _per_host(rendezvous.get_prefixed(plan.coordinator, f"a{attempt}_stopped_"),
-                                lambda j: f"a{attempt}_stopped_{j}", len(plan.hosts))
+            stopped = _per_host(plan.coordinator, f"a{attempt}_stopped_", len(plan.hosts))
             waiting = [j for j, value in stopped.items() if not value]
             if not waiting:
                 break
@@ -289,9 +288,7 @@ def _linger(watcher, plan, seconds=10.0):
             if any(s and s.startswith("failed|") for s in statuses.values()):
                 time.sleep(2 * POLL_SECONDS + 0.5)  # long enough for every launcher's next poll
                 return
-            acks = _per_host(rendezvous.get_prefixed(plan.coordinator, f"a{watcher.attempt}_ack_"),
-                             lambda j: f"a{watcher.attempt}_ack_{j}", len(plan.hosts))
-            if all(acks.values()):
+            if all(_per_host(plan.coordinator, f"a{watcher.attempt}_ack_", len(plan.hosts)).values()):
                 return
         except OSError:
             return
