@@ -668,6 +668,71 @@ def test_a_second_optimizer_updating_ps_variables_is_refused(strategy):
             model.fit(x, y, batch_size=16, epochs=1, verbose=0)
 
 
+class _DecayedInStep(tf.keras.Sequential):
+    """A decay of the table written by hand after the optimizer's update, in the training step."""
+
+    def train_step(self, data):
+        logs = super().train_step(data)
+        table = self.layers[0].embeddings
+        table.assign_sub(0.01 * table)
+        return logs
+
+
+class _PaddingRowZeroed(tf.keras.layers.Embedding):
+    """A layer's call writing its own table: the padding row zeroed before each lookup."""
+
+    def call(self, inputs):
+        self.embeddings.scatter_update(tf.IndexedSlices(tf.zeros([1, self.output_dim]), tf.constant([0])))
+        return super().call(inputs)
+
+
+@pytest.mark.parametrize("case", ["train_step", "layer_call"])
+def test_a_ps_variable_written_in_the_training_step_is_refused_before_any_update(strategy, case):
+    """Every worker's step would write the one copy on the PS (and apart from the update the step's last push
+    applies): refused when the step is traced, naming the variable, the write and the fixes (with its path)."""
+    x, y = _data()
+    name = f"written_{case}"
+    with strategy.scope():
+        if case == "train_step":
+            model = _DecayedInStep(_model(name).layers, name=name)
+        else:
+            model = tf.keras.Sequential([tf.keras.Input((LEN,), dtype=tf.int32),
+                                         _PaddingRowZeroed(VOCAB, EMB, name=f"{name}_embedding"),
+                                         tf.keras.layers.Flatten(), tf.keras.layers.Dense(1)], name=name)
+        model.compile(optimizer="sgd", loss="mse")
+        before = model.get_weights()
+        method = "assign_sub" if case == "train_step" else "scatter_update"
+        with pytest.raises(ValueError, match=rf"PS variable '{name}_embedding/embeddings:0' is written in the "
+                                             rf"training step \({method} .*Received: {method} of a PS variable in the "
+                                             rf"step.*placement=\{{'{name}_embedding/embeddings': 'replicated'\}}"):
+            model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    for was, now in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(was, now)
+
+
+class _HalvedEachEpoch(tf.keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        table = self.model.layers[0].embeddings
+        table.assign(table * 0.5)
+
+
+def test_a_callback_writing_a_table_between_steps_trains_like_plain_keras(strategy):
+    """One worker: the user's write between steps is made as in one process (with several, by worker 0 alone, the
+    workers meeting after it: test_keras_programs' callback_writes)."""
+    plain = _model("plain_halved")
+    plain.set_weights(_initial(plain))
+    plain.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss="mse")
+    x, y = _data()
+    plain.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[_HalvedEachEpoch()])
+    with strategy.scope():
+        model = _model("kp_halved")
+        model.set_weights(_initial(model))
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss="mse")
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[_HalvedEachEpoch()])
+    for want, got in zip(plain.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+
+
 def test_legacy_gradient_transformers_are_refused_for_ps_variables(strategy):
     optimizer = tf.keras.optimizers.legacy.SGD(0.1, gradient_transformers=[lambda grads_and_vars: grads_and_vars])
     with strategy.scope():

@@ -9,7 +9,7 @@ a train_on_batch loop from per-worker
 random initializations, steps_per_execution on a partial last batch, a second fit with another batch size and a
 class_weight, EarlyStopping restoring the best weights beside ModelCheckpoint(save_best_only), Keras'
 premade WideDeepModel) on 2 workers + 1 PS equal the same programs in one plain process on
-the global batch (issue 14); twenty-seven of them again with every table in 3 stripes over 2 PS tasks; two of them
+the global batch (issue 14); twenty-eight of them again with every table in 3 stripes over 2 PS tasks; two of them
 again under a partitions="auto" search, which re-splits the table during fit."""
 
 import os

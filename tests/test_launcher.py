@@ -332,6 +332,9 @@ def test_a_cluster_file_of_this_host_only_starts_it_without_ssh(tmp_path):
     ("manual_update", ("refused: Trainable variable(s) ['out/kernel:0', 'out/bias:0'] differ between the workers "
                        "after the first training step: the step changed them by other means than the optimizer",
                        "Apply the gradients with an optimizer (self.optimizer.apply_gradients")),
+    ("ps_write_unseen", ("refused: A PS variable is written during fit (assign of 'embedding/embeddings:0', in "
+                         "callback hook 'batch_end') where the workers do not meet next",
+                         "Received: assign of 'embedding/embeddings:0' in callback hook 'batch_end'.")),
     ("clip_accumulated", "ValueError: The train_step transforms the gradient of 'transformed/out/kernel:0' by a "
                          "function of its gradients (L2Loss op 'global_norm/L2Loss', e.g. tf.clip_by_global_norm or "
                          "tf.clip_by_value) that kparallax cannot compute on the global batch's gradients, because it "
@@ -349,7 +352,9 @@ def test_training_outside_the_strategy_is_refused_in_a_multi_worker_job(tmp_path
     'calls' counter, the same on every worker, is not named), in fit and in a train_on_batch loop after its first
     call (also for a model built by that call). Weights a custom train_step updates by hand (no optimizer) would
     each take its worker's own gradient. A custom train_step's second optimizer under sync=False would update
-    each worker's copy of its variables alone (before, it was refused with the custom training loop's message)."""
+    each worker's copy of its variables alone (before, it was refused with the custom training loop's message). A
+    callback writing a PS table through a function defined elsewhere (its hook's code names no write, so the workers
+    do not meet after it) would let worker 1's next step read the table before worker 0's write."""
     run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "worker_behaviour.py"), mode],
                             log_dir=str(tmp_path), workers=2, ps=1, timeout=120)
     assert run.returncode == 0, run.report()

@@ -185,6 +185,43 @@ def test_assignments_are_hooked_only_while_combining():
     assert seen == [("w:0", "assign"), ("w:0", "assign_add"), ("Variable:0", "assign"), ("w:0", "assign_sub")]
 
 
+def test_the_write_guard_sees_every_write_method_and_can_leave_one_out_or_refuse_it():
+    """The hook kparallax checks the user's writes of PS variables with: assign and the scatter writes, eager and
+    traced; a write left out returns the variable (or no op for read_value=False in a graph), and the value stays."""
+    from kparallax._compat import assign_hook  # pylint: disable=import-outside-toplevel
+    guarded, other = tf.Variable([1.0, 2.0]), tf.Variable([1.0, 2.0])
+    seen = []
+
+    def guard(variable, method):
+        if variable is not guarded:
+            return True
+        seen.append(method)
+        if method == "scatter_nd_update":
+            raise ValueError("refused")
+        return False
+
+    @tf.function
+    def traced():
+        left_out = guarded.assign([0.0, 0.0], read_value=False)
+        assert isinstance(left_out, tf.Operation) and left_out.type == "NoOp"
+        guarded.scatter_add(tf.IndexedSlices(tf.constant([5.0]), tf.constant([0])))
+
+    try:
+        assign_hook.guarded(guard)
+        assert guarded.assign_sub([1.0, 1.0]) is guarded
+        assert guarded.scatter_update(tf.IndexedSlices(tf.constant([9.0]), tf.constant([1]))) is guarded
+        traced()
+        with pytest.raises(ValueError, match="refused"):
+            guarded.scatter_nd_update([[0]], [7.0])
+        other.assign_add([1.0, 1.0])
+    finally:
+        assign_hook.guarded(None)
+    assert seen == ["assign_sub", "scatter_update", "assign", "scatter_add", "scatter_nd_update"]
+    assert guarded.numpy().tolist() == [1.0, 2.0] and other.numpy().tolist() == [2.0, 3.0]
+    guarded.assign_add([1.0, 1.0])  # no guard: TensorFlow's own
+    assert guarded.numpy().tolist() == [2.0, 3.0]
+
+
 def test_an_id_outside_the_table_is_explained():
     strategy = kp.HybridStrategy(kp.Cluster.local(), architecture="allreduce")
     with strategy.scope():
@@ -235,3 +272,39 @@ def test_stops_are_agreed_after_every_batch_only_if_a_users_batch_hook_may_stop(
     # only within an epoch (its classes' code sets stop_training, or cannot be read) needs one after every batch.
     from kparallax.core import fit_callbacks  # pylint: disable=import-outside-toplevel
     assert fit_callbacks.may_stop_within_epoch(callbacks) is per_batch
+
+
+class _Upkeep(tf.keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        self.model.layers[0].embeddings.scatter_update(tf.IndexedSlices(tf.zeros([1, 2]), tf.constant([0])))
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.model.set_weights(self.model.get_weights())
+
+
+class _Shrink(tf.keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        self.model.layers[0].embeddings.assign(self.model.layers[0].embeddings * 0.5)
+
+
+def _shrink_weights(model):
+    for weight in model.weights:
+        weight.assign(weight * 0.5)
+
+
+@pytest.mark.parametrize("callbacks, phases", [
+    ([], set()),
+    ([tf.keras.callbacks.EarlyStopping(restore_best_weights=True), tf.keras.callbacks.ReduceLROnPlateau(),
+      tf.keras.callbacks.ModelCheckpoint("x"), kp.callbacks.LearningRateWarmup(0.1, 5), _StepTimer()], set()),
+    ([_Upkeep()], {"epoch_begin", "batch_end"}),
+    ([_Shrink()], set()),
+    ([tf.keras.callbacks.LambdaCallback(on_train_begin=lambda logs: _shrink_weights)], set()),
+    ([tf.keras.callbacks.LambdaCallback(on_batch_begin=print, on_epoch_begin=lambda epoch, logs: epoch)],
+     {"batch_begin"}),
+], ids=["none", "keras_kparallax_timers", "own_writes", "epoch_end_only", "lambda_no_write", "unreadable_hook"])
+def test_workers_meet_after_the_hooks_whose_code_may_write(callbacks, phases):
+    # Worker 0 alone writes PS variables between steps; the others' next step must read it, so fit's workers meet
+    # after each user's hook whose code names a write (or cannot be read). Keras' and kparallax's callbacks write
+    # only the optimizer's replicated learning rate, or at an epoch's end (EarlyStopping), where they always meet.
+    from kparallax.core import fit_callbacks  # pylint: disable=import-outside-toplevel
+    assert fit_callbacks.writing_phases(callbacks) == phases

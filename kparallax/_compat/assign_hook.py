@@ -1,25 +1,56 @@
-"""``assign``, ``assign_add`` and ``assign_sub`` of TensorFlow's resource variables (TF 2.15: methods of
-``resource_variable_ops.BaseResourceVariable`` and of its subclass ``ResourceVariable``, the class of Keras'
-``add_weight`` variables and of ``tf.Variable``), hooked once, process-wide, so that a step being traced can
-change the value an assignment uses.
+"""``assign``, ``assign_add``, ``assign_sub`` and the ``scatter_*`` writes of TensorFlow's resource variables
+(TF 2.15: methods of ``resource_variable_ops.BaseResourceVariable`` and of its subclass ``ResourceVariable``, the
+class of Keras' ``add_weight`` variables and of ``tf.Variable``), hooked once, process-wide, so that a step being
+traced can change the value an assignment uses (``combining``: the three ``assign`` methods), and so that a write
+can be checked, refused or left out (``guarded``: every write method).
 
-Outside ``combining`` (and for the variables its function leaves alone) every assignment is TensorFlow's own; the
-hook costs one thread-local lookup per call. Assignments made by other ops (``scatter_*``, ``tf.raw_ops``) are not
-seen here.
+Outside ``combining`` and ``guarded`` (and for the variables their functions leave alone) every write is
+TensorFlow's own; the hook costs a thread-local lookup and a global read per call. Writes made by ops alone
+(``tf.raw_ops``, a ``tf.compat.v1.scatter_*`` of a handle) are not seen here.
 """
 
 import contextlib
 import threading
 
+import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops  # pylint: disable=no-name-in-module
 
 _METHODS = ("assign", "assign_add", "assign_sub")
+_SCATTERS = ("scatter_add", "scatter_sub", "scatter_update", "scatter_max", "scatter_min", "scatter_mul",
+             "scatter_div", "scatter_nd_add", "scatter_nd_sub", "scatter_nd_update", "scatter_nd_max",
+             "scatter_nd_min", "batch_scatter_update")
 _ACTIVE = threading.local()
 _HOOKED = []
+_GUARD = [None]
+
+
+def _skipped(variable, kwargs):
+    """What a write left out returns: the variable (as a lazily read write would), or no op for ``read_value=False``
+    in a graph."""
+    if kwargs.get("read_value", True) or tf.executing_eagerly():
+        return variable
+    return tf.no_op()
+
+
+def _allowed(variable, method):
+    guard = _GUARD[0]
+    return guard is None or guard(variable, method)
+
+
+def _hooked_scatter(method, original):
+    def scatter(self, *args, **kwargs):
+        if not _allowed(self, method):
+            return _skipped(self, kwargs)
+        return original(self, *args, **kwargs)
+
+    scatter.__name__, scatter.__doc__ = original.__name__, original.__doc__
+    return scatter
 
 
 def _hooked(method, original):
     def assign(self, value, *args, **kwargs):
+        if not _allowed(self, method):
+            return _skipped(self, kwargs)
         combine = getattr(_ACTIVE, "combine", None)
         if combine is not None:
             _ACTIVE.combine = None  # what ``combine`` itself assigns is TensorFlow's own
@@ -41,6 +72,9 @@ def _install():
         for method in _METHODS:
             if method in vars(cls):
                 setattr(cls, method, _hooked(method, vars(cls)[method]))
+        for method in _SCATTERS:
+            if method in vars(cls):
+                setattr(cls, method, _hooked_scatter(method, vars(cls)[method]))
     _HOOKED.append(True)
 
 
@@ -55,3 +89,11 @@ def combining(combine):
         yield
     finally:
         _ACTIVE.combine = outer
+
+
+def guarded(guard):
+    """From now on, process-wide (every thread), each write of a resource variable first calls
+    ``guard(variable, method)``: it raises to refuse the write, returns False to leave it out, True to make it.
+    ``guard=None`` removes it."""
+    _install()
+    _GUARD[0] = guard

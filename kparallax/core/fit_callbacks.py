@@ -1,7 +1,8 @@
 """The callbacks ``fit`` adds under a HybridStrategy, in this order: replicated weights synchronized from worker 0,
 (the partition search), epoch metrics averaged over workers, and the per-worker progress file the launcher
 watches; then the check that the first step left the model's replicated non-trainable variables equal on every
-worker (``SameState``); after the user's callbacks, the agreement on stopping (``SameStop``)."""
+worker (``SameState``); after the user's callbacks, the agreement on stopping, which also makes the PS variables a
+callback wrote seen by every worker's next step (``SameStop``; ``WritePhases``, first, tells which hook runs)."""
 
 import contextlib
 import inspect
@@ -13,6 +14,7 @@ import tensorflow as tf
 
 from kparallax._compat import keras as keras_compat
 from kparallax._compat import tf as tf_compat
+from kparallax.core import ps_writes
 from kparallax.core import shared_variables
 from kparallax.step import collectives
 from kparallax.step import logs as logs_lib
@@ -240,55 +242,106 @@ def may_stop_within_epoch(callbacks):
     kparallax; a ``LambdaCallback``'s batch functions), or whose code cannot be read. Keras' and kparallax's
     callbacks stop from logs and steps that are the same on every worker (``EarlyStopping``, ``TerminateOnNaN``,
     ``kp.callbacks``); a step timer or a logger never stops."""
-    return any(_batch_hooks_may_stop(callback) for callback in callbacks)
+    return any(_hooks_mention(callback, _BATCH_HOOKS, ("stop_training",)) for callback in callbacks)
 
 
-def _batch_hooks_may_stop(callback):
+def writing_phases(callbacks):
+    """The hooks of ``ps_writes.PHASES`` (``"train_begin"``, ``"epoch_begin"``, ``"batch_begin"``,
+    ``"batch_end"``) in which one of the user's ``callbacks`` may write PS variables: its hook's code (as
+    ``may_stop_within_epoch`` reads it) names one of ``ps_writes.WRITES``, or cannot be read."""
+    return {phase for phase, hooks in ps_writes.PHASES.items()
+            if any(_hooks_mention(callback, hooks, ps_writes.WRITES) for callback in callbacks)}
+
+
+def _hooks_mention(callback, hooks, words):
     if isinstance(callback, tf.keras.callbacks.LambdaCallback):
-        code = [hook for name, hook in vars(callback).items() if name in _BATCH_HOOKS]
-    elif _overrides_a_batch_hook(callback):
+        code = [hook for name, hook in vars(callback).items() if name in hooks]
+    elif _overrides(callback, hooks):
         code = [cls for cls in type(callback).__mro__ if not cls.__module__.startswith(_OWN_MODULES)]
     else:
         return False
     for part in code:
         try:
-            if "stop_training" in inspect.getsource(part):
-                return True
-        except (OSError, TypeError):  # no source to read (a builtin, a class made at run time): it may stop
+            source = inspect.getsource(part)
+        except (OSError, TypeError):  # no source to read (a builtin, a class made at run time): it may act
+            return True
+        if any(word in source for word in words):
             return True
     return False
 
 
-def _overrides_a_batch_hook(callback):
+def _overrides(callback, hooks):
     base = tf.keras.callbacks.Callback
     return any(getattr(getattr(callback, name, None), "__func__", None) is not getattr(base, name)
-               for name in _BATCH_HOOKS)
+               for name in hooks)
 
 
-class SameStop(tf.keras.callbacks.Callback):
-    """Every worker stops ``fit`` where any worker's callbacks asked to (``model.stop_training``), as one process
-    stops where its callbacks ask. Last in ``fit``'s callbacks, so it sees what every other one decided.
+class _AtPhases(tf.keras.callbacks.Callback):
+    """A callback acting at each of ``fit``'s training hooks, named by its phase (``_at``)."""
 
-    A worker that left ``fit`` alone would leave the others waiting in the next step's collectives (before: the run
-    hung until ``--stall_timeout``). One scalar allreduce at each epoch's end; with ``per_batch``
-    (``may_stop_within_epoch``, synchronous training) one after every batch too (1-7 ms on 2 workers here).
-    """
+    def _at(self, phase):
+        raise NotImplementedError
 
-    def __init__(self, num_workers, per_batch):
-        super().__init__()
-        self._num_workers = num_workers
-        self._per_batch = per_batch
+    def on_train_begin(self, logs=None):
+        self._at("train_begin")
 
-    def _agree(self, tag):
-        if collectives.any_worker(self.model.stop_training, self._num_workers, f"kp_stop_training_{tag}"):
-            self.model.stop_training = True
+    def on_epoch_begin(self, epoch, logs=None):
+        self._at("epoch_begin")
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._at("batch_begin")
 
     def on_train_batch_end(self, batch, logs=None):
-        if self._per_batch:
-            self._agree("batch")
+        self._at("batch_end")
 
     def on_epoch_end(self, epoch, logs=None):
-        self._agree("epoch")
+        self._at("epoch_end")
+
+
+class WritePhases(_AtPhases):
+    """First in a synchronous ``fit``'s callbacks on several workers: tells ``ps_writes`` which hook runs (also a
+    validation's, ``"test"``, and the end, ``"train_end"``), so that a write of a PS variable where the workers do
+    not meet next is refused (``SameStop`` meets them)."""
+
+    def __init__(self, strategy):
+        super().__init__()
+        self._strategy = strategy
+
+    def _at(self, phase):
+        ps_writes.enter_phase(self._strategy, phase)
+
+    def on_test_begin(self, logs=None):
+        self._at("test")
+
+    def on_train_end(self, logs=None):
+        self._at("train_end")
+
+
+class SameStop(_AtPhases):
+    """Last in ``fit``'s callbacks, so it sees what every other one did: every worker stops ``fit`` where any
+    worker's callbacks asked to (``model.stop_training``), as one process stops where its callbacks ask, and
+    every worker's next step reads the PS variables a callback wrote (worker 0 writes them: ``ps_writes``).
+
+    A worker that left ``fit`` alone would leave the others waiting in the next step's collectives (before: the run
+    hung until ``--stall_timeout``). The workers meet (one scalar allreduce, after this worker's PS writes landed)
+    at each epoch's end and after the hooks in ``meets`` (``"batch_end"`` when a batch hook may stop,
+    ``may_stop_within_epoch``, in synchronous training; a hook that may write PS variables, ``writing_phases``),
+    1-7 ms each on 2 workers here.
+    """
+
+    def __init__(self, strategy, meets):
+        super().__init__()
+        self._strategy = strategy
+        self._meets = frozenset(meets)
+
+    def _at(self, phase):
+        if phase == "epoch_end" or phase in self._meets:
+            tf_compat.async_wait()
+            if collectives.any_worker(self.model.stop_training, self._strategy.num_workers,
+                                      f"kp_stop_training_{phase}"):
+                self.model.stop_training = True
+        if self._strategy.options.sync:
+            ps_writes.enter_phase(self._strategy, "")
 
 
 def check_same_state(strategy, model):

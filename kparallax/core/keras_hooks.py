@@ -44,6 +44,7 @@ from kparallax.core import data as data_lib
 from kparallax.core import fit_callbacks
 from kparallax.core import partition_search
 from kparallax.core import placement
+from kparallax.core import ps_writes
 from kparallax.core import resume
 from kparallax.core import saving
 from kparallax.core import tables
@@ -193,6 +194,7 @@ def _whole_tables_before_compile(original, whole):
     """``Model.get_weights``/``set_weights`` presenting partitioned tables whole (``whole``) for a model holding one
     (compiled models have their own bound methods); Keras' ``original`` otherwise, and inside ``whole`` itself."""
 
+    @ps_writes.passing
     @functools.wraps(original)
     def method(self, *args, **kwargs):
         if not getattr(_LOCAL, "in_weights", False):
@@ -477,7 +479,8 @@ def _train_on_batch(original, model, *args, **kwargs):
     state = compiled(model)
     strategy = state.strategy
     _guard_tracking(strategy, model, model.optimizer)
-    stale = collectives.any_worker(not state.on_batch_synced, strategy.num_workers, name="kp_weights_set")
+    written = strategy.num_workers > 1 and ps_writes.take_written(strategy)
+    stale = collectives.any_worker(not state.on_batch_synced or written, strategy.num_workers, name="kp_weights_set")
     if stale:
         state.weights, state.on_batch_synced = fit_callbacks.ReplicatedWeights(strategy, model), True
         state.weights.sync()
@@ -502,9 +505,18 @@ def _expect_uneven_batches(model, uneven):
 
 
 def _load_weights(original, strategy, clones, model, *args, **kwargs):
+    _note_ps_write(strategy, model, "load_weights")
     result = saving.load_weights(original, strategy, clones, model, *args, **kwargs)
     _weights_set(model)
     return result
+
+
+def _note_ps_write(strategy, layer, method):
+    """``layer``'s ``method`` writes its PS variables (worker 0 alone): refused in ``fit`` where the workers do not
+    meet next (``ps_writes.note``)."""
+    if strategy.num_workers > 1 and keras_compat.weights_created(layer) and any(
+            strategy.is_ps_variable(v) for v in layer.weights if isinstance(v, tf.Variable)):
+        ps_writes.note(strategy, f"{method} of {layer.name!r}")
 
 
 def _weights_set(model):
@@ -601,12 +613,16 @@ def _fit(original, model, *args, **kwargs):
         if isinstance(callback, tf.keras.callbacks.BackupAndRestore):
             backup.adapt(callback, strategy, compiled(model).clones)
     a["callbacks"] = ours + list(a["callbacks"] or [])
+    meets = set()
     if strategy.num_workers > 1:
-        per_batch = strategy.options.sync and fit_callbacks.may_stop_within_epoch(a["callbacks"])
-        a["callbacks"].append(fit_callbacks.SameStop(strategy.num_workers, per_batch))
         if strategy.options.sync:
+            meets = fit_callbacks.writing_phases(a["callbacks"])
+            if fit_callbacks.may_stop_within_epoch(a["callbacks"]):
+                meets.add("batch_end")
             a["callbacks"].insert(len(ours), fit_callbacks.SameState(strategy))
-    with strategy.scope(), _errors_explained(model):
+            a["callbacks"].insert(0, fit_callbacks.WritePhases(strategy))
+        a["callbacks"].append(fit_callbacks.SameStop(strategy, meets))
+    with ps_writes.fitting(strategy, meets), strategy.scope(), _errors_explained(model):
         return original(*bound.args, **bound.kwargs)
 
 
@@ -758,6 +774,7 @@ def _layer_set_weights(strategy, layer, weights):
     table_of = strategy.registry.table_of
     if any(table_of(v) for v in slots) and len(weights) == tables.whole_weight_count(slots, table_of):
         weights = tables.split_weights(slots, weights, table_of)
+    _note_ps_write(strategy, layer, "set_weights")
     _weights_set(layer)
     if strategy.is_chief or len(weights) != len(slots):
         with _keras_weights():

@@ -24,6 +24,7 @@ from kparallax.core import loading
 from kparallax.core import options as options_lib
 from kparallax.core import partition_search
 from kparallax.core import placement as placement_lib
+from kparallax.core import ps_writes
 from kparallax.core import registry as registry_lib
 from kparallax.core import saving
 from kparallax.core import shared_variables
@@ -132,6 +133,7 @@ class HybridStrategy:
         self._search = partition_search.new_state()
         logging.info("kparallax: %d worker(s), %d PS task(s), %s", hvd.size(), cluster.num_ps, self._options)
         keras_hooks.install(self)
+        ps_writes.watch(self)
 
     def __getattr__(self, name):
         """Called for attributes the strategy does not have: tf.distribute.Strategy's get an error with kparallax's

@@ -1653,6 +1653,44 @@ def paired_rows(scope, batch):
     return model
 
 
+class TableUpkeep(tf.keras.callbacks.Callback):
+    """Writes the model's table between steps, as users do: the padding row zeroed at each epoch's start (a scatter),
+    noise from a seeded generator added after every batch (weight noise: an ``assign_add``), every weight halved at
+    each epoch's end (``set_weights`` of ``get_weights``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.noise = tf.random.Generator.from_seed(7)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.model.layers[0].embeddings.scatter_update(tf.IndexedSlices(tf.zeros([1, EMB]), tf.constant([0])))
+
+    def on_train_batch_end(self, batch, logs=None):
+        table = self.model.layers[0].embeddings
+        table.assign_add(self.noise.normal(table.shape, stddev=0.05))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.model.set_weights([w * 0.5 for w in self.model.get_weights()])
+
+
+def callback_writes(scope, batch):
+    """A table loaded from pretrained values by ``assign`` before ``fit`` (on every worker), then written between
+    steps by a callback (``TableUpkeep``), on a dataset with a partial last batch. Every worker runs the callback with
+    the same generator, so each draws the same noise."""
+    ids, rng = _ids(62)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    pretrained = rng.normal(scale=0.3, size=(VOCAB, EMB)).astype(np.float32)
+    rows = ROWS - 10
+    with scope():
+        model = _pooled_regressor()
+        model.layers[0].embeddings.assign(pretrained)
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss="mse")
+        history = model.fit(tf.data.Dataset.from_tensor_slices((ids[:rows], y[:rows])).batch(batch), epochs=2,
+                            verbose=0, callbacks=[TableUpkeep()])
+    model.logged = [np.array(history.history["loss"])]
+    return model
+
+
 def transformer_lm(scope, batch):
     """A causal transformer language model as Keras' examples write one: token and position tables, a decoder
     block (multi-head attention with a causal mask, LayerNormalization, a feed-forward net), next-token logits on
@@ -1913,7 +1951,7 @@ PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_by_tf_gradients, 
                                     run_eagerly_dense, two_optimizers,
                                     fine_tuning, own_compute_loss, own_embedding_layer,
                                     added_metrics, tracked_train_step, multi_output, transformer_lm, per_row_map,
-                                    paired_rows,
+                                    paired_rows, callback_writes,
                                     steps_per_execution_partial, second_fit_other_batch, restore_best_weights,
                                     wide_deep_premade,
                                     built_by_first_step, train_on_batch_loop)}  # last two: they seed Keras' RNG
@@ -1926,7 +1964,8 @@ STRIPED = ("clipped_with_table", "clipped_each_row", "sparse_and_ragged_inputs",
            "lookup_layers", "shared_layer", "keras_callbacks", "backup_and_restore_resume", "partial_last_batch_arrays",
            "odd_batch_count_dataset", "masked_sequence_losses", "own_loss_partial_batch", "stateful_lstm",
            "two_optimizers", "fine_tuning", "own_embedding_layer", "transformer_lm", "steps_per_execution_partial",
-           "restore_best_weights", "wide_deep_premade", "built_by_first_step", "train_on_batch_loop")
+           "restore_best_weights", "wide_deep_premade", "callback_writes", "built_by_first_step",
+           "train_on_batch_loop")
 
 
 def striped():

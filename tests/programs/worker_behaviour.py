@@ -5,7 +5,7 @@ Usage: worker_behaviour.py MODE (fail_rank1 | same_index | ok | compile_outside 
                                dropout_masks | several_models | clip_refused | clip_accumulated | shuffle_seeds |
                                bad_id_rank1 | made_before | built_by_first_call | unaggregated_state | manual_update |
                                async_two_optimizers | chief_only_model | chief_only_model_placed |
-                               some_stripes_clipped | stripes_clipped_each)
+                               some_stripes_clipped | stripes_clipped_each | ps_write_unseen)
 """
 
 import os
@@ -249,6 +249,31 @@ if mode == "manual_update":
             print(f"refused: {e}", flush=True)
         else:
             sys.exit("weights updated by hand from each worker's gradient trained silently")
+if mode == "ps_write_unseen":
+    # A callback shrinking the table after every batch through a function of the user's defined elsewhere: its hook's
+    # code names no write, so fit's workers do not meet after it, and worker 1's next step could read the table
+    # before worker 0's write lands.
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    def shrink(model):
+        table = model.layers[0].embeddings
+        table.assign(table * 0.9)
+
+    class Upkeep(tf.keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            shrink(self.model)
+
+    with strategy.scope():
+        model = tf.keras.Sequential([tf.keras.Input((2,), dtype=tf.int32), tf.keras.layers.Embedding(10, 2),
+                                     tf.keras.layers.Flatten(), tf.keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+        try:
+            model.fit(np.ones((8, 2), np.int32), np.zeros((8, 1)), batch_size=2, verbose=0, callbacks=[Upkeep()])
+        except ValueError as e:
+            print(f"refused: {e}", flush=True)
+        else:
+            sys.exit("a write of a PS variable the workers did not meet after trained silently")
 if mode in ("batch_norm_global", "batch_norm_per_worker"):
     # rows 0..7 as one feature: worker 0 keeps rows 0, 2, 4, 6 (mean 3), worker 1 rows 1, 3, 5, 7 (mean 4); with
     # momentum 0 the moving mean after one step is the mean the step normalized with.
