@@ -324,9 +324,9 @@ class SameStop(_AtPhases):
 
     A worker that left ``fit`` alone would leave the others waiting in the next step's collectives (before: the run
     hung until ``--stall_timeout``). The workers meet (one scalar allreduce, after this worker's PS writes landed)
-    at each epoch's end and after the hooks in ``meets`` (``"batch_end"`` when a batch hook may stop,
-    ``may_stop_within_epoch``, in synchronous training; a hook that may write PS variables, ``writing_phases``),
-    1-7 ms each on 2 workers here.
+    after the hooks in ``meets``: each epoch's end (``"epoch_end"``), and in synchronous training ``"batch_end"``
+    when a batch hook may stop (``may_stop_within_epoch``) and any hook that may write PS variables
+    (``writing_phases``), 1-7 ms each on 2 workers here.
     """
 
     def __init__(self, strategy, meets):
@@ -335,13 +335,12 @@ class SameStop(_AtPhases):
         self._meets = frozenset(meets)
 
     def _at(self, phase):
-        if phase == "epoch_end" or phase in self._meets:
+        if phase in self._meets:
             tf_compat.async_wait()
             if collectives.any_worker(self.model.stop_training, self._strategy.num_workers,
                                       f"kp_stop_training_{phase}"):
                 self.model.stop_training = True
-        if self._strategy.options.sync:
-            ps_writes.enter_phase(self._strategy, "")
+        ps_writes.enter_phase(self._strategy, "")
 
 
 def check_same_state(strategy, model):

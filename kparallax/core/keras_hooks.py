@@ -613,10 +613,10 @@ def _fit(original, model, *args, **kwargs):
         if isinstance(callback, tf.keras.callbacks.BackupAndRestore):
             backup.adapt(callback, strategy, compiled(model).clones)
     a["callbacks"] = ours + list(a["callbacks"] or [])
-    meets = set()
+    meets = {"epoch_end"}  # the hooks after which the workers meet (SameStop); a synchronous fit adds those below
     if strategy.num_workers > 1:
         if strategy.options.sync:
-            meets = fit_callbacks.writing_phases(a["callbacks"])
+            meets |= fit_callbacks.writing_phases(a["callbacks"])
             if fit_callbacks.may_stop_within_epoch(a["callbacks"]):
                 meets.add("batch_end")
             a["callbacks"].insert(len(ours), fit_callbacks.SameState(strategy))

@@ -156,12 +156,12 @@ def note(strategy, what):
 @contextlib.contextmanager
 def fitting(strategy, meets):
     """While a synchronous ``fit`` of ``strategy`` runs on several workers: its workers meet after the hooks in
-    ``meets`` (and each epoch's end); writes elsewhere are refused (``note``)."""
+    ``meets``; writes elsewhere are refused (``note``)."""
     state = _state(strategy) if strategy.num_workers > 1 and strategy.options.sync else None
     if state is None:
         yield
         return
-    state.fitting, state.meets, state.phase = True, frozenset(meets) | {"epoch_end"}, ""
+    state.fitting, state.meets, state.phase = True, frozenset(meets), ""
     try:
         yield
     finally:
