@@ -74,6 +74,10 @@ SCORED = {
     # pairs laid out row after row, each pair's first row scored against every pair's second (before: not seen)
     "pairs_joined_by_a_reshape": lambda q, d, w: tf.matmul(tf.reshape(q, [-1, 2, 3])[:, 0],
                                                            tf.reshape(d, [-1, 2, 3])[:, 1], transpose_b=True),
+    # two views of the batch joined along the rows, scored against each other (SimCLR's loss; before: not seen)
+    "two_views_joined": lambda q, d, w: tf.matmul(tf.concat([q, d], 0), tf.concat([q, d], 0), transpose_b=True),
+    "two_views_stacked": lambda q, d, w: tf.matmul(tf.reshape(tf.stack([q, d]), [-1, 3]) @ w,
+                                                   tf.reshape(tf.stack([q, d]), [-1, 3]), transpose_b=True),
 }
 
 
@@ -91,9 +95,12 @@ def test_rows_scored_against_each_other_are_refused_on_several_workers(name):
 
 
 def test_products_that_do_not_score_the_batch_against_itself_run():
-    # A layer's kernel; sampled candidates (fewer rows than the batch); rows summed over (a Gram matrix of the batch,
-    # a statistic: a loss nonlinear in it is refused, below); each row against its own candidate.
-    for product in (lambda q, d, w: q @ w, lambda q, d, w: tf.matmul(q, d[:2], transpose_b=True),
+    # A layer's kernel; sampled candidates (fewer rows than the batch: a weight's rows at the batch's distinct ids);
+    # rows summed over (a Gram matrix of the batch, a statistic: a loss nonlinear in it is refused, below); each row
+    # against its own candidate.
+    for product in (lambda q, d, w: q @ w,
+                    lambda q, d, w: tf.matmul(q, tf.gather(w, tf.unique(tf.cast(d[:, 0], tf.int32))[0]),
+                                              transpose_b=True),
                     lambda q, d, w: tf.matmul(q, d, transpose_a=True),
                     lambda q, d, w: tf.reduce_sum(q * d, axis=1)):
         assert _refusal(product) is None
@@ -162,7 +169,8 @@ def test_rows_meeting_a_gathered_side_or_each_alone_run():
     # per-worker BatchNormalization (Keras' own statistics, as sync_batch_norm=False asks); a loss's mean; Keras'
     # losses, a masked one too (the step counts its valid entries over the workers itself); a top-k and a sort of
     # each row's values, Keras' top-k accuracy; each row's values rolled and reversed; a distance within each pair of
-    # rows laid out row after row (joined by a reshape).
+    # rows laid out row after row (joined by a reshape); as many rows as another tensor of the batch has, sliced;
+    # two views joined along the rows through a layer and split back, each row against its other view.
     norm = tf.keras.layers.LayerNormalization()
     rows_meet.install()  # as a strategy does
     masked_loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0)
@@ -183,7 +191,10 @@ def test_rows_meeting_a_gathered_side_or_each_alone_run():
                   lambda q, d, w: tf.keras.metrics.top_k_categorical_accuracy(d, q, k=2),
                   lambda q, d, w: tf.roll(q, shift=1, axis=1) * tf.reverse(d, axis=[-1]),
                   lambda q, d, w: tf.reduce_sum(tf.square(tf.reduce_sum(tf.reshape(q, [-1, 2, 3]) * [[1.0], [-1.0]],
-                                                                         axis=1)), axis=1)):
+                                                                         axis=1)), axis=1),
+                  lambda q, d, w: q[:tf.shape(d)[0]] - d, lambda q, d, w: tf.slice(q, [0, 0], [tf.shape(d)[0], 2]),
+                  lambda q, d, w: tf.reduce_sum(tf.math.reduce_prod(tf.split(tf.nn.relu(tf.concat([q, d], 0) @ w), 2),
+                                                                    axis=0), axis=1)):
         assert _refusal(alone) is None
 
 
@@ -386,7 +397,7 @@ def test_rows_meeting_in_a_branch_not_taken_or_alone_in_a_function_run():
     for alone in (lambda q, d, w: tf.function(lambda t: tf.nn.softmax(t, axis=1))(q @ w),
                   lambda q, d, w: tf.function(lambda t: t - tf.reduce_mean(t, axis=1, keepdims=True))(q),
                   lambda q, d, w: tf.function(lambda t: tf.reduce_mean(tf.square(t)))(q @ w),
-                  lambda q, d, w: tf.function(lambda t: tf.reduce_mean(t[:2], axis=0))(q) + 1.0):
+                  lambda q, d, w: tf.function(lambda t: tf.reduce_mean(t[:, :2], axis=0))(q) + 1.0):
         assert _refusal(alone) is None
     assert _refusal(lambda q, d, w: tf.function(_center)(d), gathered=True) is None
 
@@ -412,6 +423,51 @@ def _loss_refusal(loss, rows=None, workers=2, micro_batches=1, logged=None, grap
     except tf.errors.InvalidArgumentError as error:
         return error.message
     return None
+
+
+# Losses taking rows by their place in the batch (row_axes' ``sliced``): each form, and its message's fragment.
+# Before: not seen.
+TAKEN_LOSSES = {
+    "the_first_row_as_an_anchor": (lambda q, d, w: tf.reduce_mean(tf.square((q - q[:1]) @ w)),
+                                   "(StridedSlice takes rows of the batch by their place in it, axis 0 of its input ("),
+    "a_batch_in_halves_split": (lambda q, d, w: tf.reduce_mean(tf.square((tf.split(q, 2)[0] - tf.split(q, 2)[1]) @ w)),
+                                "(Split takes rows of the batch by their place in it, axis 0 of its input ("),
+    "as_many_rows_as_fewer_candidates": (lambda q, d, w: tf.reduce_mean(q[:tf.shape(d)[0] // 2] @ w),
+                                         "(StridedSlice takes rows of the batch by their place in it"),
+    "shuffled_negatives": (lambda q, d, w: tf.reduce_mean((q * tf.random.shuffle(d)) @ w),
+                           "(RandomShuffle takes rows of the batch by their place in it"),
+    "the_batch_in_two_groups": (lambda q, d, w: tf.reduce_sum(tf.square(tf.reduce_mean(tf.reshape(q @ w, [2, -1]),
+                                                                                       axis=1))),
+                                "(Reshape joins the rows of the batch, axis 0 of its input (")}
+
+
+@pytest.mark.parametrize("name", sorted(TAKEN_LOSSES))
+def test_losses_taking_rows_by_their_place_in_the_batch_are_refused_on_several_workers(name):
+    # One process counts those places in the global batch, each worker in its own part.
+    loss, fragment = TAKEN_LOSSES[name]
+    for rows in (None, 4):
+        message = _loss_refusal(loss, rows)
+        assert message is not None and "Rows of the batch meet in " in message and fragment in message, (rows, message)
+        assert "Received: that op in the training step of a job of 2 workers." in message
+    assert _loss_refusal(loss, workers=1) is None
+    assert "a job of 1 worker(s) accumulating backward_passes_per_step=2 micro-batches" in _loss_refusal(
+        loss, workers=1, micro_batches=2)
+
+
+def test_rows_taken_by_their_place_for_a_write_or_a_logged_value_alone_run():
+    # A variable's write of the batch's first row (its aggregation combines the workers' writes: ONLY_FIRST_REPLICA
+    # keeps worker 0's, the global batch's first); a value logged beside the loss; as many rows as another tensor
+    # of the batch, sliced (checked on its size at run time).
+    first = tf.Variable(tf.zeros([3]))
+
+    def written(q, d, w):
+        first.assign(q[0])
+        return tf.reduce_mean(q @ w)
+
+    assert _loss_refusal(written) is None
+    np.testing.assert_array_equal(first.numpy(), np.ones(3))
+    assert _loss_refusal(lambda q, d, w: tf.reduce_mean(q @ w), logged=lambda q, d, w: q[:1] - d) is None
+    assert _loss_refusal(lambda q, d, w: tf.reduce_mean(q[:tf.shape(d)[0]] @ w)) is None
 
 
 def _sparsity(q, d, w):

@@ -41,6 +41,7 @@ class LossScales(typing.NamedTuple):
 
 _SUMMED = (tf.keras.losses.Reduction.SUM, tf.keras.losses.Reduction.NONE)
 _AVERAGED = (tf.keras.losses.Reduction.AUTO, tf.keras.losses.Reduction.SUM_OVER_BATCH_SIZE)
+_APART = [contextlib.nullcontext]  # the context ops of counts of kparallax's own are made under (hook_apart)
 
 
 class _ScaledLoss:
@@ -161,10 +162,11 @@ def _batch_scalar_sums(fn, y_true, y_pred):
     if not _gives_one_scalar(fn, y_true, y_pred):
         return None, None
     once = fn(y_true, y_pred)
-    twice = repeated_rows.twice_where_told(once, (y_true, y_pred))
-    if twice is None:
-        twice = fn(tf.concat([y_true, y_true], axis=0), tf.concat([y_pred, y_pred], axis=0))
-    return once, repeated_rows.doubles(once, twice)
+    with _APART[0]():  # a count of kparallax's own: the batch's rows meeting there are not refused
+        twice = repeated_rows.twice_where_told(once, (y_true, y_pred))
+        if twice is None:
+            twice = fn(tf.concat([y_true, y_true], axis=0), tf.concat([y_pred, y_pred], axis=0))
+        return once, repeated_rows.doubles(once, twice)
 
 
 def _gives_one_scalar(fn, y_true, y_pred):
@@ -223,11 +225,14 @@ def _valid_count(loss, y_true, y_pred):
     return tf.reduce_sum(tf.cast(mask, tf.float32))
 
 
-def hook_valid_mask(apart):
-    """Runs Keras 2.15's ``losses_utils.apply_valid_mask`` under ``apart()`` (once, process-wide). For a mean loss
-    under a mask it multiplies the mask by its size over its valid count, a count over the whole batch; the step
-    counts that over the workers itself (``_ScaledLoss``), so these rows meeting a scalar of the batch are not
-    refused (``step/rows_meet.py``)."""
+def hook_apart(apart):
+    """Makes the ops of counts the step takes over the workers itself under ``apart()`` (once, process-wide), so
+    the batch's rows meeting there are not refused (``step/rows_meet.py``): Keras 2.15's
+    ``losses_utils.apply_valid_mask`` (for a mean loss under a mask it multiplies the mask by its size over its valid
+    count, a count over the whole batch; the step counts that over the workers, ``_ScaledLoss``), and a scalar loss
+    recomputed on the batch's rows repeated twice (``_batch_scalar_sums``: its doubled rows are two blocks of the
+    batch, which ``row_axes`` follows as a contrastive loss's two views)."""
+    _APART[0] = apart
     from keras.src.utils import losses_utils  # pylint: disable=import-outside-toplevel
     original = losses_utils.apply_valid_mask
     if getattr(original, "_kp_apart", False):

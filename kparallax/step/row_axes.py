@@ -10,8 +10,7 @@ order they were made, and gives each output one of:
 - ``ROW``: one row of the batch, an element of a list of its rows (what ``tf.map_fn``'s and ``tf.scan``'s
   function gets), and what is computed from it and values without rows;
 - ``UNKNOWN``: anything else the batch reaches (an op not followed here, a collective, parts of several rows
-  joined into one entry by a reshape, or rows joined into a count of entries the batch does not set). Nothing is
-  refused from it.
+  joined into one entry by a reshape, rows taken by their place: ``sliced`` below). Nothing is refused from it.
 A list of tensors (a ``TensorArray``, a variant handle) made of a tensor's slices along an axis gets ``Listed``: its
 elements' rows' axis (a Keras RNN's time steps: the slices along an axis after the rows'), or ``ROW`` (the slices
 along the rows' axis: ``tf.map_fn``'s); stacked back, the rows are on the axis they came from.
@@ -30,6 +29,14 @@ join k whole consecutive rows into one entry (``[B, d] -> [-1, 3, d]``: triplets
 1/k): each worker's part of the batch then starts at a multiple of k (else its reshape fails, as one process's
 does on such a batch), so its groups are one process's, and what follows is followed as for rows.
 
+Tensors of the batch's rows joined along them (``tf.concat([z1, z2], axis=0)``: two views of the batch, as a
+contrastive loss joins them; ``tf.stack([z1, z2])`` flattened to ``[-1, d]``) hold the rows in ``blocks``, one after
+the other, each every row of the batch (``entries`` counts all of them): what is computed per entry keeps them, and
+scoring such a tensor against itself is checked as scoring the batch is. A split into as many parts (or a divisor)
+gives the blocks back, as does a reshape into as many entries first (``[2, -1, d]``); a slice with bounds not known
+while tracing (``z[b:]``) or on the blocks' edges leaves its output ``UNKNOWN``; anything else taking entries by their
+place is ``sliced``.
+
 While it follows them it records the ops where rows of the batch meet, which one process computes over the global
 batch and each worker over its own part (``meetings``):
 - ``statistic``: a statistic combined element-wise with the rows (centering or normalizing over the batch by hand,
@@ -45,6 +52,10 @@ batch and each worker over its own part (``meetings``):
   ``tf.sort`` or ``tf.argsort`` over it);
 - ``carried``: a loop over a list of the batch's rows carrying a value computed from one row to the next
   (``tf.scan``'s accumulator);
+- ``sliced``: rows taken by their place in the batch, which one process counts in the global batch and each worker
+  in its own part: a slice, split or gather along the rows (``x[:1]``, ``tf.split(x, 2)``, ``tf.gather(x, [0,
+  2])``), a shuffle of them, a reshape into a fixed count of entries (``[B, d] -> [2, -1]``); a slice whose bounds
+  are not known while tracing meets them only when it leaves some out (``Meeting.part``);
 - ``nonlinear``: a statistic taken through a function other than a sum, a difference or a scaling by values without
   rows (the root of a mean squared error, a log of the batch's mean activation, a quotient or a matrix product of
   two statistics, a value chosen by a comparison of one, ``tf.where(tf.reduce_mean(x) > 0, a, b)``): one
@@ -133,6 +144,7 @@ class Meeting:
     calls: tuple = ()  # inside functions the step calls: the call ops, the step's own first
     held: tuple = ()  # then: pairs (tensor, axis) of the step's own call's inputs holding the batch's rows
     when: tuple = ()  # in a branch of the step's own tf.cond: (its predicate, True for the first branch)
+    part: tuple = ()  # ``sliced`` with bounds not known while tracing: ((output, axis),), real if it has fewer rows
 
     @property
     def at(self):
@@ -169,6 +181,8 @@ class RowAxes:
         self.meetings = []
         self.reductions = []  # the ops reducing the batch's rows (statistics' sources)
         self._merged = {}  # a tensor's ref -> the entries per row of the batch on its rows' axis, when not 1
+        self._blocks = {}  # a tensor's ref -> k >= 2: its rows' axis holds k blocks, each every row of the batch
+        self._own = set()  # the names of ops whose outputs' entries and blocks their own rule set (not ``_merge``)
         self._listed_from = {}  # a list's ref -> (the tensor it was made of, that tensor's rows' axis)
         self._row_indices = set()  # the refs of the indices a list of rows was read at
 
@@ -184,6 +198,8 @@ class RowAxes:
                            self._of_a_row(op, axes) if ROW in axes else self._outputs(op, axes))
             except (ValueError, TypeError, IndexError, KeyError, ArithmeticError):  # not as expected: not followed
                 outputs = [UNKNOWN] * len(op.outputs)
+            if op.name not in self._apart_ops and ROW not in axes:
+                outputs = self._taken_by_place(op, axes, outputs)
             outputs = self._merge(op, axes, outputs)
             statistic = next((self._sources[x.ref()] for x, a in zip(op.inputs, axes) if a == STATISTIC), None)
             if statistic is not None and outputs[:1] == [STATISTIC] and _nonlinear(op, axes):
@@ -196,6 +212,47 @@ class RowAxes:
                     self._sources[tensor.ref()] = statistic
                     axis = UNKNOWN if statistic is None else axis
                 self._axes[tensor.ref()] = UNKNOWN if tensor.ref() in self._apart else axis
+
+    def _taken_by_place(self, op, axes, outputs):
+        """``outputs``, after recording a ``sliced`` meeting where ``op`` takes rows of the batch by their place in
+        it (``_placed``). Of a tensor of k blocks (``blocks``), a split into n parts (n dividing k) keeps k / n
+        blocks in each, and a slice whose bounds fall on the blocks' edges (known while tracing) or are not known
+        leaves its output ``UNKNOWN``: neither is a meeting."""
+        try:
+            found = _placed(op, axes)
+        except (ValueError, TypeError, IndexError, KeyError, ArithmeticError):  # not as expected: not followed
+            return outputs
+        if found is None:
+            return outputs
+        index, axis, part = found
+        x = op.inputs[index]
+        blocks = self.blocks(x)
+        if blocks > 1 and op.type == "Split" and blocks % len(op.outputs) == 0:
+            self._own.add(op.name)
+            for tensor in op.outputs:
+                self._set_rows(tensor, self.entries(x) / len(op.outputs), blocks // len(op.outputs))
+            return [axis] * len(op.outputs)
+        if blocks > 1 and (part or op.type in ("Slice", "StridedSlice", "SplitV") and _on_edges(op, axis, blocks)
+                           or op.type == "Reshape" and _first_size(op) == blocks):
+            return outputs
+        self.meetings.append(Meeting(op, "sliced", ((x, axis),), part=part))
+        return outputs
+
+    def blocks(self, tensor):
+        """How many blocks ``tensor``'s rows' axis holds, each every row of the batch, one after the other (2 for
+        ``tf.concat([a, b], axis=0)`` of two tensors of the batch's rows, as a contrastive loss joins two views of
+        the batch; 1 for the batch's own rows). ``entries`` counts them all: each block has entries / blocks per
+        row."""
+        return self._blocks.get(tensor.ref(), 1)
+
+    def _set_rows(self, tensor, entries, blocks):
+        """Records ``tensor``'s entries per row and blocks (when not 1)."""
+        self._merged.pop(tensor.ref(), None)
+        self._blocks.pop(tensor.ref(), None)
+        if entries != 1:
+            self._merged[tensor.ref()] = fractions.Fraction(entries)
+        if blocks != 1:
+            self._blocks[tensor.ref()] = blocks
 
     def axis(self, tensor):
         """The rows' axis of ``tensor`` (``None``, an ``int``, ``STATISTIC`` or ``UNKNOWN``)."""
@@ -210,13 +267,15 @@ class RowAxes:
     def _merge(self, op, axes, outputs):
         """``outputs`` (the rows' axes of ``op``'s outputs), recording the entries per row of those with rows: a
         reshape's own (``_reshape``), or those of the inputs with rows (``UNKNOWN`` where they differ)."""
-        if op.type == "Reshape" or op.type in _CALLS or op.type in _LOOPS:  # their own (``_reshape``, ``_called``)
+        if op.type == "Reshape" or op.type in _CALLS or op.type in _LOOPS or op.name in self._own:  # their own
             return outputs
-        entries = {self.entries(x) for x, a in zip(op.inputs, axes) if isinstance(a, int)}
-        if len(entries) > 1:
+        rows = [(self.entries(x), self.blocks(x)) for x, a in zip(op.inputs, axes) if isinstance(a, int)]
+        if len(set(rows)) > 1:
             return [UNKNOWN if isinstance(a, int) else a for a in outputs]
-        if entries and entries != {1}:
-            self._merged.update((t.ref(), min(entries)) for t, a in zip(op.outputs, outputs) if isinstance(a, int))
+        if rows and rows[0] != (1, 1):
+            for tensor, axis in zip(op.outputs, outputs):
+                if isinstance(axis, int):
+                    self._set_rows(tensor, *rows[0])
         return outputs
 
     def _reshape(self, op, axes):
@@ -228,8 +287,13 @@ class RowAxes:
         axis, before, after = axes[0], op.inputs[0].shape, _reshaped(op)
         if axis == STATISTIC and axes[1] is None:
             return [STATISTIC]
+        if isinstance(axis, int) and axis > 0 and axes[1] is None:
+            return self._blocks_stacked(op, axis, before, after)
         if axis != 0 or axes[1] is not None or not before[1:].is_fully_defined() or not after.rank:
             return [UNKNOWN]
+        blocks = self.blocks(op.inputs[0])
+        if blocks > 1 and _first_size(op) == blocks:
+            return self._blocks_apart(op, blocks, before, after)
         if not after[1:].is_fully_defined() or not after[1:].num_elements():
             return [UNKNOWN]
         per_row = self.entries(op.inputs[0]) * before[1:].num_elements()  # the values of one row of the batch
@@ -238,9 +302,32 @@ class RowAxes:
             return [UNKNOWN]  # an entry would hold parts of rows, or a count of entries not set by the batch
         if entries.denominator != 1 and entries > 1:
             return [UNKNOWN]  # an entry would hold the end of one row and the start of the next
-        if entries != 1:
-            self._merged[op.outputs[0].ref()] = entries
+        if blocks > 1 and (entries / blocks).denominator != 1:
+            return [UNKNOWN]  # an entry would hold rows of a block, or parts of two blocks
+        self._set_rows(op.outputs[0], entries, blocks)
         return [0]
+
+    def _blocks_stacked(self, op, axis, before, after):
+        """A reshape of rows on ``axis`` > 0 after axes of sizes known while tracing (``tf.stack([z1, z2])``, [2, B,
+        d]) into rows first (``[-1, d]``): each entry of those axes a block of the output's (``blocks``)."""
+        if (not before[:axis].is_fully_defined() or not before[axis + 1:].is_fully_defined() or not after.rank
+                or not after[1:].is_fully_defined() or not _first_size_left(op) or self.blocks(op.inputs[0]) != 1
+                or after[1:].num_elements() != before[axis + 1:].num_elements()):
+            return [UNKNOWN]
+        count = before[:axis].num_elements()
+        self._set_rows(op.outputs[0], self.entries(op.inputs[0]) * count, count)
+        return [0]
+
+    def _blocks_apart(self, op, blocks, before, after):
+        """A reshape of a tensor of ``blocks`` blocks into as many entries first (``[2 * B, d] -> [2, -1, d]``):
+        the rows on axis 1, each block's."""
+        if after.rank < 2 or not after[2:].is_fully_defined() or not after[2:].num_elements():
+            return [UNKNOWN]
+        entries = self.entries(op.inputs[0]) / blocks * before[1:].num_elements() / after[2:].num_elements()
+        if entries.denominator != 1:
+            return [UNKNOWN]
+        self._set_rows(op.outputs[0], entries, 1)
+        return [1]
 
     def _outputs(self, op, axes):
         kind = op.type
@@ -326,8 +413,7 @@ class RowAxes:
         for placeholder, (x, axis) in zip(body.inputs, inputs):
             if axis is not None:
                 inner._axes[placeholder.ref()] = axis
-            if self.entries(x) != 1:
-                inner._merged[placeholder.ref()] = self.entries(x)
+            inner._set_rows(placeholder, self.entries(x), self.blocks(x))
             if x.ref() in self._sources:
                 inner._sources[placeholder.ref()] = self._sources[x.ref()]
         inner.follow(body.get_operations())
@@ -399,7 +485,8 @@ class RowAxes:
         if kind == "TensorListFromTensor":
             if first == ROW and axes[1] is None:
                 return [Listed(ROW, one_row=True)]
-            if not isinstance(first, int) or axes[1] is not None or (first == 0 and self.entries(op.inputs[0]) != 1):
+            if (not isinstance(first, int) or axes[1] is not None or self.blocks(op.inputs[0]) != 1
+                    or (first == 0 and self.entries(op.inputs[0]) != 1)):
                 return [UNKNOWN]
             self._listed_from[op.outputs[0].ref()] = (op.inputs[0], first)
             return [Listed(first - 1 if first else ROW)]
@@ -443,14 +530,15 @@ class RowAxes:
             # A branch's meetings are checked in the steps that take it (a cond inside a function: see _record).
             self._record(op, inner, held, ((op.inputs[0], body is bodies[0]),) if op.type in _BRANCHES else (),
                          {p.ref(): x for p, (x, _) in zip(body.inputs, inputs)})
-            results.append([(inner.axis(t), inner.entries(t), inner._sources.get(t.ref())) for t in body.outputs])
+            results.append([(inner.axis(t), (inner.entries(t), inner.blocks(t)), inner._sources.get(t.ref()))
+                            for t in body.outputs])
         outputs = []
-        for tensor, (axis, entries, source), *others in zip(op.outputs, *results):
-            if any(other[0] != axis for other in others):
+        for tensor, (axis, rows, source), *others in zip(op.outputs, *results):
+            if any(other[0] != axis or (isinstance(axis, int) and other[1] != rows) for other in others):
                 outputs.append(UNKNOWN)
                 continue
-            if isinstance(axis, int) and entries != 1:
-                self._merged[tensor.ref()] = entries
+            if isinstance(axis, int):
+                self._set_rows(tensor, *rows)
             if axis == STATISTIC and source is not None:
                 reduced = held[0] if held else source[1:]  # checked on the step's own tensors
                 if all(t.graph is op.graph for t in reduced[:1]):
@@ -494,6 +582,8 @@ class RowAxes:
         if UNKNOWN in value_axes or rank is None or (op.type == "ConcatV2" and axes[-1] is not None):
             return UNKNOWN
         joined = (_static(op.inputs[-1])[0] % rank) if op.type == "ConcatV2" else op.get_attr("axis") % (rank + 1)
+        if op.type == "ConcatV2" and all(a == joined for a in value_axes):
+            return self._blocks_joined(op, values, joined)
         rows = {a: x for x, a in zip(values, value_axes) if isinstance(a, int)}
         statistics = [x for x, a in zip(values, value_axes) if a == STATISTIC]
         if not rows:
@@ -503,6 +593,18 @@ class RowAxes:
         (axis, held), = rows.items()
         self._statistic_meets(op, (held, axis), statistics)
         return axis if op.type == "ConcatV2" or axis < joined else axis + 1
+
+    def _blocks_joined(self, op, values, axis):
+        """``tf.concat`` of tensors of the batch's rows along their rows' axis (``[z1; z2]``: two views of the batch,
+        as a contrastive loss joins them): the rows stay on that axis, in the blocks of every input one after the
+        other (``blocks``); ``UNKNOWN`` where the inputs' blocks have different entries per row."""
+        per_block = {self.entries(x) / self.blocks(x) for x in values}
+        if len(per_block) != 1:
+            return UNKNOWN
+        count = sum(self.blocks(x) for x in values)
+        self._own.add(op.name)
+        self._set_rows(op.outputs[0], per_block.pop() * count, count)
+        return axis
 
     def _reduced(self, op, axes):
         """A reduction's output: the rows' axis shifted, or ``STATISTIC`` when it reduces the rows."""
@@ -819,6 +921,130 @@ def _gather(op, axes):
     if isinstance(params, int) and indices is None and axes[2] is None and params != along:
         return [params if params < along else params - 1 + op.inputs[1].shape.rank]
     return [UNKNOWN]
+
+
+def _placed(op, axes):
+    """(input index, rows' axis, part) when graph op ``op`` takes rows of the batch by their place in it, which one
+    process counts in the global batch and each worker in its own part: a slice or a split along the rows' axis
+    (``x[:1]``, ``x[0]``, ``x[1:]``, ``x[::-1]``, ``tf.split(x, 2)``), a gather along it at indices that are not
+    the batch's (``tf.gather(x, [0, 2])``, at a shuffled range), a shuffle of the rows, or a reshape of the rows
+    into a fixed count of entries (``[B, d] -> [2, -1]``); None otherwise. ``part`` is () when the op takes part
+    of the rows whatever the batch's size, or (output, axis) when its bounds are not known while tracing
+    (``x[:tf.shape(y)[0]]``): it takes part of them only when that output has fewer entries than its input."""
+    kind = op.type
+    if kind == "Reshape":
+        return (0, 0, ()) if axes[0] == 0 and axes[1] is None and _grouped(op) else None
+    if kind in ("Split", "SplitV"):
+        index = 1 if kind == "Split" else 0
+        along = _static(op.inputs[0 if kind == "Split" else 2])[0]
+        value, rank = axes[index], op.inputs[index].shape.rank
+        if (not isinstance(value, int) or rank is None or len(op.outputs) < 2 or along % rank != value
+                or any(a is not None for i, a in enumerate(axes) if i != index)):
+            return None
+        return index, value, ()
+    if kind == "GatherV2":
+        params, indices = axes[0], axes[1]
+        if not isinstance(params, int) or indices is not None or axes[2] is not None or op.get_attr("batch_dims"):
+            return None
+        return (0, params, ()) if _static(op.inputs[2])[0] % op.inputs[0].shape.rank == params else None
+    if kind == "RandomShuffle":
+        return (0, 0, ()) if axes[0] == 0 else None
+    if kind not in ("Slice", "StridedSlice"):
+        return None
+    axis = axes[0]
+    if not isinstance(axis, int) or any(a not in (None, STATISTIC) for a in axes[1:]):
+        return None
+    if kind == "Slice":
+        begin, size = _constant(op.inputs[1]), _constant(op.inputs[2])
+        if begin is None or size is None or any(a is not None for a in axes[1:]):
+            return 0, axis, ((op.outputs[0], axis),)
+        return None if begin[axis] == 0 and size[axis] == -1 else (0, axis, ())
+    return _strided_rows(op, axis)
+
+
+def _on_edges(op, axis, blocks):
+    """Whether a ``Slice`` or ``SplitV`` along ``axis`` of a tensor of ``blocks`` blocks cuts it only where blocks
+    meet (its size on that axis and the bounds known while tracing), or at bounds not known while tracing (``tf.split(z,
+    [b, b])``); a ``StridedSlice`` with bounds known, never."""
+    size = op.inputs[0].shape[axis]
+    block = None if size is None or size % blocks else size // blocks
+    if op.type == "SplitV":
+        sizes = _constant(op.inputs[1])
+        if sizes is None:
+            return True
+        sizes = [int(n) for n in np.ravel(sizes)]
+        return block is not None and all(n % block == 0 for n in sizes if n != -1)
+    if op.type == "Slice":
+        begin, count = _constant(op.inputs[1]), _constant(op.inputs[2])
+        if begin is None or count is None:
+            return True
+        first, count = int(np.ravel(begin)[axis]), int(np.ravel(count)[axis])
+        return block is not None and first % block == 0 and (count == -1 or count % block == 0)
+    return False
+
+
+def _strided_rows(op, axis):
+    """``_placed`` of a ``StridedSlice`` of rows on ``axis``: whether the entry of the slice reading that axis
+    takes every row in order (``x[:, 0]``, ``x[..., 1:]``), some (``x[1:]``, ``x[0]``, ``x[::2]``, ``x[::-1]``), or
+    bounds not known while tracing."""
+    rank, entries = op.inputs[0].shape.rank, op.inputs[1].shape[0]
+    if rank is None or entries is None:
+        return None
+    masks = {name: op.get_attr(name) for name in ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask",
+                                                   "shrink_axis_mask")}
+    bit = lambda name, i: (masks[name] >> i) & 1  # pylint: disable=unnecessary-lambda-assignment
+    spanned = rank - sum(1 for i in range(entries) if not bit("new_axis_mask", i) and not bit("ellipsis_mask", i))
+    position, out = 0, 0  # the input axis and output axis the next entry reads and makes
+    for i in range(entries):
+        if bit("ellipsis_mask", i):
+            if position <= axis < position + spanned:
+                return None
+            position, out = position + spanned, out + spanned
+        elif bit("new_axis_mask", i):
+            out += 1
+        elif position == axis:
+            if bit("shrink_axis_mask", i):
+                return 0, axis, ()
+            begin, end, stride = (_constant(x) for x in op.inputs[1:4])
+            stride = None if stride is None else int(np.ravel(stride)[i])
+            first = bit("begin_mask", i) or (begin is not None and int(np.ravel(begin)[i]) == 0)
+            if stride == 1 and first and bit("end_mask", i):
+                return None
+            known = stride is not None and (bit("begin_mask", i) or begin is not None) and (
+                bit("end_mask", i) or end is not None)
+            return (0, axis, ()) if known else (0, axis, ((op.outputs[0], out),))
+        else:
+            position, out = position + 1, out + (0 if bit("shrink_axis_mask", i) else 1)
+    return None  # the rows' axis after the entries passes through
+
+
+def _sizes(op):
+    """A ``Reshape``'s shape input while tracing: each size an int, or None where not known."""
+    shape = op.inputs[1]
+    if shape.op.type == "Pack":
+        sizes = [_constant(x) for x in shape.op.inputs]
+    else:
+        value = _constant(shape)
+        if value is None or np.ndim(value) != 1:
+            return []
+        sizes = list(value)
+    return [None if size is None else int(np.ravel(size)[0]) for size in sizes]
+
+
+def _first_size(op):
+    """A ``Reshape``'s first size asked for, when known while tracing and followed by a size left to the input's
+    (``-1``, or one not known while tracing): ``[2, -1]`` and ``[4, -1, d]`` give 2 and 4; None otherwise."""
+    sizes = _sizes(op)
+    if len(sizes) < 2 or sizes[0] is None or not any(size is None or size == -1 for size in sizes[1:]):
+        return None
+    return sizes[0]
+
+
+def _grouped(op):
+    """Whether a ``Reshape``'s shape asks for a fixed count (2 or more) of entries first and leaves a later size to
+    the input's (``[2, -1]``, ``[4, -1, d]``): the rows of the batch joined into that many entries."""
+    first = _first_size(op)
+    return first is not None and first >= 2
 
 
 def _split(op, axes):

@@ -17,11 +17,15 @@ body) are not seen (the meetings below are: ``row_axes`` follows calls and loops
 
 Rows that meet in other ways (``row_axes``: a statistic over the batch combined with its rows, a softmax over the
 batch axis, pairwise differences, a cumulative sum along the rows, a top-k or sort over them, a roll or reverse
-of them, a value a loop over them carries from row to row) get the same kind of check: it fails when the
-tensors meeting there have as many rows as the worker's batch on the axes that hold them. Ops made under ``apart()``
+of them, a value a loop over them carries from row to row, rows taken by their place in the batch) get the same
+kind of check: it fails when the tensors meeting there have as many rows as the worker's batch on the axes that hold
+them (a slice whose bounds are not known while tracing: and its output has fewer). Ops made under ``apart()``
 (BatchNormalization's per-worker statistics, ``sync_batch_norm=False``; Keras' masked mean loss, whose valid count
-the step counts over the workers itself) and ``kp.all_gather``'s outputs are not followed. Only the forward pass's
-meetings are checked: the backward pass meets where it does.
+the step counts over the workers itself; a scalar loss or metric recomputed on the batch's rows repeated twice, to
+tell a sum from a mean) and ``kp.all_gather``'s outputs are not followed. Rows taken by their place are checked
+only where a differentiated loss is computed from them (below): taken for a variable's write alone, the variable's
+aggregation combines them (``x[0]`` kept in an ``ONLY_FIRST_REPLICA`` variable: worker 0's, the global batch's).
+Only the forward pass's meetings are checked: the backward pass meets where it does.
 
 A statistic of the batch taken through a function other than a sum or a scaling (``row_axes``' ``nonlinear``: a
 root mean squared error as the loss, a loss divided by a statistic of the batch) is checked the same way, on the rows
@@ -92,7 +96,7 @@ def refused(num_workers, micro_batches, data):
     axes.follow(ops)
     meetings = _forward(axes.meetings, row_axes.feeding(targets, ops))
     checks = [(held, (), message) for *held, message in checks]
-    checks.extend((meeting.checked, meeting.when, _meeting_message(meeting, where))
+    checks.extend((meeting.checked, meeting.when + _taking_part(meeting), _meeting_message(meeting, where))
                   for meeting in [m for m in meetings if m.checked][:_MOST_CHECKS])
     rows = tf.cast(keras_losses.batch_rows(data), tf.int32) if checks else None
     for held, when, message in checks:  # each held tensor with as many rows as the batch (times its entries per row)
@@ -101,6 +105,16 @@ def refused(num_workers, micro_batches, data):
         check = tf.debugging.Assert(tf.logical_not(every), [message])
         if getattr(_ACTIVE, "asserts", None) is not None:
             _ACTIVE.asserts.append(check)  # an op: the Assert itself, its data being strings
+
+
+def _taking_part(meeting):
+    """For a ``sliced`` meeting whose bounds were not known while tracing (``x[:tf.shape(y)[0]]``): the condition
+    (predicate, True) that its output has fewer entries than its input, so a slice keeping every row runs. Inside a
+    function the step calls, the output is not the step's: checked on the call's inputs alone."""
+    if not meeting.part or meeting.calls:
+        return ()
+    [(taken, taken_axis)], (x, axis) = meeting.part, meeting.rows[0]
+    return ((tf.less(tf.shape(taken)[taken_axis], tf.shape(x)[axis]), True),)
 
 
 def _holds_every_row(tensor, axis, rows, entries):
@@ -145,8 +159,9 @@ def _collective(op):
 
 
 def install():
-    """Keras' masked mean losses count their valid entries under ``apart()`` (once, process-wide)."""
-    keras_losses.hook_valid_mask(apart)
+    """Keras' masked mean losses count their valid entries, and a scalar loss is recomputed on the batch's rows
+    repeated twice, under ``apart()`` (once, process-wide)."""
+    keras_losses.hook_apart(apart)
 
 
 @contextlib.contextmanager
@@ -166,11 +181,16 @@ def apart():
 
 
 def _forward(meetings, feeding):
-    """The ``meetings`` of the forward pass (the backward pass meets where it does), of the ``nonlinear`` kind only
-    those in ``feeding`` (names of the ops a differentiated loss is computed from), the first of each statistic."""
+    """The ``meetings`` of the forward pass (the backward pass meets where it does), of the ``nonlinear`` and
+    ``sliced`` kinds only those in ``feeding`` (names of the ops a differentiated loss is computed from), of the
+    ``nonlinear`` kind the first of each statistic. Rows taken by their place for a variable's write alone are the
+    variable's aggregation's to combine (``x[0]`` kept in an ``ONLY_FIRST_REPLICA`` variable: worker 0's first
+    row, the global batch's)."""
     kept, statistics = [], set()
     for meeting in meetings:
         if row_axes.BACKWARD in f"/{meeting.at.name}":
+            continue
+        if meeting.kind == "sliced" and meeting.at.name not in feeding:
             continue
         if meeting.kind == "nonlinear":
             if meeting.at.name not in feeding or meeting.source.name in statistics:
@@ -272,6 +292,14 @@ def _meeting_message(meeting, where):
     elif meeting.kind == "ranked":
         how = (f"{op.type} ranks the rows of the batch by value, axis {axis} of its input {x.shape}, as tf.math.top_k "
                "keeping the hardest examples of the batch, tf.sort or tf.argsort over the batch do")
+    elif meeting.kind == "sliced" and op.type == "Reshape":
+        how = (f"Reshape joins the rows of the batch, axis 0 of its input {x.shape}, into a fixed count of entries "
+               f"whatever the size of the batch (to {op.outputs[0].shape}), each entry holding a share of the batch")
+    elif meeting.kind == "sliced":
+        how = (f"{op.type} takes rows of the batch by their place in it, axis {axis} of its input {x.shape}, as "
+               "the first row of the batch taken as an anchor, a batch laid out in halves and split, or rows taken at "
+               "fixed or shuffled places are; to pair rows, lay each pair out in one row (two inputs, or [B, 2, ...]) "
+               "or in consecutive rows joined by a reshape to [-1, 2, ...]")
     elif meeting.kind == "carried":
         how = ("a loop over the rows of the batch carries a value computed from one row on to the next, as the "
                "accumulator of tf.scan does")

@@ -30,6 +30,7 @@ import tensorflow as tf
 from kparallax import log as logging
 from kparallax._compat import keras_losses
 from kparallax._compat import repeated_rows
+from kparallax.step import rows_meet
 
 _ACTIVE = threading.local()
 _WARNED = set()
@@ -74,7 +75,8 @@ def _weighed(metric, value, data, num_workers, share):
     sums = None
     if tf.is_symbolic_tensor(value):
         try:
-            sums = repeated_rows.sums(value, data)
+            with rows_meet.apart():  # the doubled rows are two blocks of the batch: not the model's rows meeting
+                sums = repeated_rows.sums(value, data)
         except (ValueError, TypeError, tf.errors.OpError) as error:
             reason = f"its value could not be evaluated on the batch repeated twice ({type(error).__name__}: {error})"
         else:
