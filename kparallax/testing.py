@@ -24,6 +24,21 @@ class RunResult:
                 result[os.path.basename(path)] = _clean(f.read())
         return result
 
+    def assert_refused(self, parts, workers=2):
+        """The job failed, and every worker that failed failed with the refusal: its log holds every one of ``parts``.
+        A worker the launcher stopped while it still traced its step (another worker refused first: a refusal needs
+        no collective) has no error in its log; one worker at least refused."""
+        assert self.returncode != 0, self.report()
+        refused = []
+        for index in range(workers):
+            name = f"worker-{index}.log"
+            text = self.logs().get(name, "")
+            if "Traceback" in text or "Error" in text:
+                for part in parts:
+                    assert part in text, (name, part, self.report())
+                refused.append(name)
+        assert refused, self.report()
+
     def report(self):
         parts = [f"exit code {self.returncode}", "launcher output:", _clean(self.output)]
         for name, text in self.logs().items():

@@ -126,10 +126,8 @@ def test_a_train_step_transforming_a_tables_stripes_apart_is_refused(tmp_path, m
     (0.065 and 0.024 off one process); a clip row by row (clipped_each_row) is one process's and trains."""
     run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "worker_behaviour.py"), mode],
                             log_dir=str(tmp_path), workers=2, ps=1, timeout=120)
-    assert run.returncode != 0, run.report()
-    for name in ("worker-0.log", "worker-1.log"):
-        assert f"{refused} of table '{table}/embedding/embeddings'" in run.logs()[name], run.report()
-        assert f"placement={{'{table}/embedding/embeddings': 'ps:1'}}" in run.logs()[name], run.report()
+    run.assert_refused([f"{refused} of table '{table}/embedding/embeddings'",
+                        f"placement={{'{table}/embedding/embeddings': 'ps:1'}}"])
 
 
 @pytest.mark.multiprocess

@@ -684,19 +684,9 @@ def test_a_tf_distribute_replica_gather_in_the_training_step_is_refused(tmp_path
 
 
 def _assert_refused(tmp_path, args, expected, program=PROGRAM):
-    """``program`` run with ``args`` on 2 workers + 1 PS fails, nothing is written, and every worker that failed
-    failed with the refusal: its log holds every ``expected`` line. A worker the launcher stopped while it was still
-    tracing its step (the other one refused first, its check needing no collective) has no error in its log; one
-    worker at least refused."""
+    """``program`` run with ``args`` on 2 workers + 1 PS fails with the refusal (``RunResult.assert_refused``: every
+    ``expected`` line in each worker's log that holds an error), and nothing is written."""
     run = testing.run_local([sys.executable, program, str(tmp_path), *args], log_dir=str(tmp_path / "logs"),
                             workers=2, ps=1, timeout=240)
-    assert run.returncode != 0, run.report()
-    refused = []
-    for name in ("worker-0.log", "worker-1.log"):
-        text = run.logs()[name]
-        if "Traceback" in text or "Error" in text:
-            for line in expected:
-                assert line in text, (name, line, run.report())
-            refused.append(name)
-    assert refused, run.report()
+    run.assert_refused(expected)
     assert not [name for name in os.listdir(tmp_path) if name.endswith(".npz")]
