@@ -78,6 +78,9 @@ SCORED = {
     "two_views_joined": lambda q, d, w: tf.matmul(tf.concat([q, d], 0), tf.concat([q, d], 0), transpose_b=True),
     "two_views_stacked": lambda q, d, w: tf.matmul(tf.reshape(tf.stack([q, d]), [-1, 3]) @ w,
                                                    tf.reshape(tf.stack([q, d]), [-1, 3]), transpose_b=True),
+    # the batch tiled, scored against two views of it joined (before: not seen)
+    "a_tiled_batch_against_two_views": lambda q, d, w: tf.matmul(tf.tile(q, [2, 1]), tf.concat([q, d], 0),
+                                                                 transpose_b=True),
 }
 
 
@@ -110,6 +113,8 @@ def test_products_that_do_not_score_the_batch_against_itself_run():
 MEETINGS = {
     "centered": (lambda q, d, w: q - tf.reduce_mean(q, axis=0),
                  "with Mean over the rows of the batch in Mean, a statistic of the batch, as centering"),
+    "tiled_and_centered": (lambda q, d, w: tf.tile(q, [2, 1]) - tf.reduce_mean(tf.tile(q, [2, 1]), axis=0),
+                           "with Mean over the rows of the batch in Mean, a statistic of the batch, as centering"),
     "standardized": (lambda q, d, w: (q @ w) / tf.math.reduce_std(q @ w, axis=0, keepdims=True),
                      "with Mean over the rows of the batch in reduce_std/reduce_variance/Mean"),
     "moments": (lambda q, d, w: tf.nn.batch_normalization(q, *tf.nn.moments(q, axes=[0]), None, None, 1e-3),
@@ -436,6 +441,8 @@ TAKEN_LOSSES = {
                                          "(StridedSlice takes rows of the batch by their place in it"),
     "shuffled_negatives": (lambda q, d, w: tf.reduce_mean((q * tf.random.shuffle(d)) @ w),
                            "(RandomShuffle takes rows of the batch by their place in it"),
+    "the_first_row_of_the_batch_tiled": (lambda q, d, w: tf.reduce_mean(tf.square(tf.tile(q, [2, 1])[:1] @ w)),
+                                         "(StridedSlice takes rows of the batch by their place in it, axis 0 of its input ("),
     "the_batch_in_two_groups": (lambda q, d, w: tf.reduce_sum(tf.square(tf.reduce_mean(tf.reshape(q @ w, [2, -1]),
                                                                                        axis=1))),
                                 "(Reshape joins the rows of the batch, axis 0 of its input (")}

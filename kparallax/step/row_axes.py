@@ -351,6 +351,8 @@ class RowAxes:
             return [self._along(op, axes)]
         if kind in ("ConcatV2", "Pack"):
             return [self._joined(op, axes)]
+        if kind == "Tile":
+            return [self._tiled(op, axes)]
         if kind == "Reshape":
             return self._reshape(op, axes)
         if kind in _SHAPES:
@@ -606,6 +608,22 @@ class RowAxes:
         self._set_rows(op.outputs[0], per_block.pop() * count, count)
         return axis
 
+    def _tiled(self, op, axes):
+        """``tf.tile`` (input, multiples): repeated along other axes, the rows stay on theirs; k copies along the
+        rows' axis (k known while tracing: ``tf.tile(z, [2, 1])``) are k blocks of them one after the other, as
+        ``tf.concat([z, z], 0)`` (``_blocks_joined``); a count not known while tracing is not followed."""
+        x, axis = op.inputs[0], axes[0]
+        if not isinstance(axis, int):
+            return axis if axes[1] is None else UNKNOWN
+        copies = _static(op.inputs[1])[axis]
+        if copies == 1:
+            return axis
+        if copies < 1:
+            return UNKNOWN
+        self._own.add(op.name)
+        self._set_rows(op.outputs[0], self.entries(x) * copies, self.blocks(x) * copies)
+        return axis
+
     def _reduced(self, op, axes):
         """A reduction's output: the rows' axis shifted, or ``STATISTIC`` when it reduces the rows."""
         x, axis = op.inputs[0], axes[0]
@@ -851,13 +869,6 @@ def _transpose(op, axes):
     return [_static(op.inputs[1]).index(axis)]
 
 
-def _tile(op, axes):
-    axis = axes[0]
-    if not isinstance(axis, int):
-        return [axis if axes[1] is None else UNKNOWN]
-    return [axis if _static(op.inputs[1])[axis] == 1 else UNKNOWN]
-
-
 def _broadcast_to(op, axes):
     axis = axes[0]
     if not isinstance(axis, int):
@@ -1080,7 +1091,7 @@ def _pad(op, axes):
 
 
 _SHAPES = {
-    "ExpandDims": _expand_dims, "Squeeze": _squeeze, "Transpose": _transpose, "Tile": _tile,
+    "ExpandDims": _expand_dims, "Squeeze": _squeeze, "Transpose": _transpose,
     "BroadcastTo": _broadcast_to, "Slice": _slice, "StridedSlice": _strided_slice, "GatherV2": _gather,
     "ResourceGather": _gather, "Split": _split, "SplitV": _split, "Unpack": _split, "OneHot": _one_hot, "Pad": _pad,
     "PadV2": _pad, "MirrorPad": _pad}
