@@ -108,7 +108,7 @@ EXPRESSIONS = {
 
 
 # The expressions above that take rows of the batch by their place in it: ``sliced`` meetings where they are made.
-TAKEN_BY_PLACE = {"some rows", "one row", "rows joined into two entries", "gathered rows"}
+TAKEN_BY_PLACE = {"some rows", "one row", "rows joined into two entries", "gathered rows", "padded rows"}
 
 
 def _axes(rows):
@@ -153,9 +153,12 @@ TAKEN = {
     "rows joined into 4 entries of pairs": (lambda x, y: tf.reshape(x, [4, -1, 3]), "sliced"),
     "rows joined into 2 entries by a shape read": (lambda x, y: tf.reshape(x, [2, tf.shape(x)[0] // 2, 3]),
                                                    "sliced"),
+    "a row padded on before the batch": (lambda x, y: tf.pad(x, [[1, 0], [0, 0]]), "sliced"),
+    "rows mirrored on both ends": (lambda x, y: tf.pad(x, [[1, 1], [0, 0]], mode="REFLECT"), "sliced"),
     "as many rows as another batch tensor": (lambda x, y: x[:tf.shape(y)[0]], "part"),
     "rows up to a count read": (lambda x, y: tf.slice(x, [0, 0], tf.stack([tf.shape(y)[0] - 1, 3])), "part"),
     "a column": (lambda x, y: x[:, 1], None),
+    "columns padded": (lambda x, y: tf.pad(x, [[0, 0], [2, 1]], constant_values=1.0), None),
     "columns from a count read": (lambda x, y: x[:, tf.shape(y)[1]:], None),
     "a slice op of the columns": (lambda x, y: tf.slice(x, [0, 1], [-1, 2]), None),
     "columns split": (lambda x, y: tf.split(x, 3, axis=1)[0], None),

@@ -443,6 +443,9 @@ TAKEN_LOSSES = {
                            "(RandomShuffle takes rows of the batch by their place in it"),
     "the_first_row_of_the_batch_tiled": (lambda q, d, w: tf.reduce_mean(tf.square(tf.tile(q, [2, 1])[:1] @ w)),
                                          "(StridedSlice takes rows of the batch by their place in it, axis 0 of its input ("),
+    "consecutive_rows_differenced_by_pads": (
+        lambda q, d, w: tf.reduce_mean(tf.square((tf.pad(q, [[1, 0], [0, 0]]) - tf.pad(q, [[0, 1], [0, 0]])) @ w)),
+        "(Pad adds rows before or after the rows of the batch, axis 0 of its input ("),
     "the_batch_in_two_groups": (lambda q, d, w: tf.reduce_sum(tf.square(tf.reduce_mean(tf.reshape(q @ w, [2, -1]),
                                                                                        axis=1))),
                                 "(Reshape joins the rows of the batch, axis 0 of its input (")}

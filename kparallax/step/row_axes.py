@@ -54,7 +54,8 @@ batch and each worker over its own part (``meetings``):
   (``tf.scan``'s accumulator);
 - ``sliced``: rows taken by their place in the batch, which one process counts in the global batch and each worker
   in its own part: a slice, split or gather along the rows (``x[:1]``, ``tf.split(x, 2)``, ``tf.gather(x, [0,
-  2])``), a shuffle of them, a reshape into a fixed count of entries (``[B, d] -> [2, -1]``); a slice whose bounds
+  2])``), a shuffle of them, a reshape into a fixed count of entries (``[B, d] -> [2, -1]``), rows padded on before
+  or after them (``tf.pad(x, [[1, 0], [0, 0]])``: each worker's part gets them, the global batch once); a slice whose bounds
   are not known while tracing meets them only when it leaves some out (``Meeting.part``);
 - ``nonlinear``: a statistic taken through a function other than a sum, a difference or a scaling by values without
   rows (the root of a mean squared error, a log of the batch's mean activation, a quotient or a matrix product of
@@ -938,8 +939,9 @@ def _placed(op, axes):
     """(input index, rows' axis, part) when graph op ``op`` takes rows of the batch by their place in it, which one
     process counts in the global batch and each worker in its own part: a slice or a split along the rows' axis
     (``x[:1]``, ``x[0]``, ``x[1:]``, ``x[::-1]``, ``tf.split(x, 2)``), a gather along it at indices that are not
-    the batch's (``tf.gather(x, [0, 2])``, at a shuffled range), a shuffle of the rows, or a reshape of the rows
-    into a fixed count of entries (``[B, d] -> [2, -1]``); None otherwise. ``part`` is () when the op takes part
+    the batch's (``tf.gather(x, [0, 2])``, at a shuffled range), a shuffle of the rows, a reshape of the rows
+    into a fixed count of entries (``[B, d] -> [2, -1]``), or a pad along them (paddings known while tracing); None
+    otherwise. ``part`` is () when the op takes part
     of the rows whatever the batch's size, or (output, axis) when its bounds are not known while tracing
     (``x[:tf.shape(y)[0]]``): it takes part of them only when that output has fewer entries than its input."""
     kind = op.type
@@ -960,6 +962,11 @@ def _placed(op, axes):
         return (0, params, ()) if _static(op.inputs[2])[0] % op.inputs[0].shape.rank == params else None
     if kind == "RandomShuffle":
         return (0, 0, ()) if axes[0] == 0 else None
+    if kind in ("Pad", "PadV2", "MirrorPad"):  # rows added before or after the batch's: as many on each worker
+        paddings = _constant(op.inputs[1])
+        if not isinstance(axes[0], int) or paddings is None or any(a is not None for a in axes[1:]):
+            return None
+        return (0, axes[0], ()) if np.any(paddings[axes[0]]) else None
     if kind not in ("Slice", "StridedSlice"):
         return None
     axis = axes[0]
