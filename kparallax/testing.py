@@ -29,10 +29,10 @@ class RunResult:
         A worker the launcher stopped while it still traced its step (another worker refused first: a refusal needs
         no collective) has no error in its log; one worker at least refused."""
         assert self.returncode != 0, self.report()
-        refused = []
+        refused, logs = [], self.logs()
         for index in range(workers):
             name = f"worker-{index}.log"
-            text = self.logs().get(name, "")
+            text = logs.get(name, "")
             if "Traceback" in text or "Error" in text:
                 for part in parts:
                     assert part in text, (name, part, self.report())

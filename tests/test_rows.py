@@ -441,8 +441,9 @@ TAKEN_LOSSES = {
                                          "(StridedSlice takes rows of the batch by their place in it"),
     "shuffled_negatives": (lambda q, d, w: tf.reduce_mean((q * tf.random.shuffle(d)) @ w),
                            "(RandomShuffle takes rows of the batch by their place in it"),
-    "the_first_row_of_the_batch_tiled": (lambda q, d, w: tf.reduce_mean(tf.square(tf.tile(q, [2, 1])[:1] @ w)),
-                                         "(StridedSlice takes rows of the batch by their place in it, axis 0 of its input ("),
+    "the_first_row_of_the_batch_tiled": (
+        lambda q, d, w: tf.reduce_mean(tf.square(tf.tile(q, [2, 1])[:1] @ w)),
+        "(StridedSlice takes rows of the batch by their place in it, axis 0 of its input ("),
     "consecutive_rows_differenced_by_pads": (
         lambda q, d, w: tf.reduce_mean(tf.square((tf.pad(q, [[1, 0], [0, 0]]) - tf.pad(q, [[0, 1], [0, 0]])) @ w)),
         "(Pad adds rows before or after the rows of the batch, axis 0 of its input ("),

@@ -54,9 +54,9 @@ batch and each worker over its own part (``meetings``):
   (``tf.scan``'s accumulator);
 - ``sliced``: rows taken by their place in the batch, which one process counts in the global batch and each worker
   in its own part: a slice, split or gather along the rows (``x[:1]``, ``tf.split(x, 2)``, ``tf.gather(x, [0,
-  2])``), a shuffle of them, a reshape into a fixed count of entries (``[B, d] -> [2, -1]``), rows padded on before
-  or after them (``tf.pad(x, [[1, 0], [0, 0]])``: each worker's part gets them, the global batch once); a slice whose bounds
-  are not known while tracing meets them only when it leaves some out (``Meeting.part``);
+  2])``), a shuffle of them, a reshape into a fixed count of entries (``[B, d] -> [2, -1]``), rows padded on
+  before or after them (``tf.pad(x, [[1, 0], [0, 0]])``: each worker's part gets them, the global batch once); a
+  slice whose bounds are not known while tracing meets them only when it leaves some out (``Meeting.part``);
 - ``nonlinear``: a statistic taken through a function other than a sum, a difference or a scaling by values without
   rows (the root of a mean squared error, a log of the batch's mean activation, a quotient or a matrix product of
   two statistics, a value chosen by a comparison of one, ``tf.where(tf.reduce_mean(x) > 0, a, b)``): one
@@ -105,6 +105,7 @@ _CONSTANT_LIKE = {"ZerosLike", "OnesLike"}  # the input's shape, not its values
 _BATCH_FIRST = {"Conv2D", "Conv3D", "DepthwiseConv2dNative", "MaxPool", "MaxPoolV2", "AvgPool", "MaxPool3D",
                 "AvgPool3D", "FusedBatchNormV3", "FusedBatchNorm", "LRN"}
 PRODUCTS = {"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"}
+PADS = ("Pad", "PadV2", "MirrorPad")  # tf.pad: constant, REFLECT / SYMMETRIC
 _BRANCHES = {"If", "StatelessIf"}  # a tf.cond: (predicate, inputs...), its branches called with the inputs
 _LOOPS = {"While", "StatelessWhile"}  # a tf.while_loop: its variables in and out, its body called with them
 _CALLS = {"PartitionedCall", "StatefulPartitionedCall"} | _BRANCHES
@@ -941,9 +942,9 @@ def _placed(op, axes):
     (``x[:1]``, ``x[0]``, ``x[1:]``, ``x[::-1]``, ``tf.split(x, 2)``), a gather along it at indices that are not
     the batch's (``tf.gather(x, [0, 2])``, at a shuffled range), a shuffle of the rows, a reshape of the rows
     into a fixed count of entries (``[B, d] -> [2, -1]``), or a pad along them (paddings known while tracing); None
-    otherwise. ``part`` is () when the op takes part
-    of the rows whatever the batch's size, or (output, axis) when its bounds are not known while tracing
-    (``x[:tf.shape(y)[0]]``): it takes part of them only when that output has fewer entries than its input."""
+    otherwise. ``part`` is () when the op takes part of the rows whatever the batch's size, or (output, axis) when
+    its bounds are not known while tracing (``x[:tf.shape(y)[0]]``): it takes part of them only when that output
+    has fewer entries than its input."""
     kind = op.type
     if kind == "Reshape":
         return (0, 0, ()) if axes[0] == 0 and axes[1] is None and _grouped(op) else None
@@ -962,7 +963,7 @@ def _placed(op, axes):
         return (0, params, ()) if _static(op.inputs[2])[0] % op.inputs[0].shape.rank == params else None
     if kind == "RandomShuffle":
         return (0, 0, ()) if axes[0] == 0 else None
-    if kind in ("Pad", "PadV2", "MirrorPad"):  # rows added before or after the batch's: as many on each worker
+    if kind in PADS:  # rows added before or after the batch's: as many on each worker
         paddings = _constant(op.inputs[1])
         if not isinstance(axes[0], int) or paddings is None or any(a is not None for a in axes[1:]):
             return None
@@ -1100,8 +1101,8 @@ def _pad(op, axes):
 _SHAPES = {
     "ExpandDims": _expand_dims, "Squeeze": _squeeze, "Transpose": _transpose,
     "BroadcastTo": _broadcast_to, "Slice": _slice, "StridedSlice": _strided_slice, "GatherV2": _gather,
-    "ResourceGather": _gather, "Split": _split, "SplitV": _split, "Unpack": _split, "OneHot": _one_hot, "Pad": _pad,
-    "PadV2": _pad, "MirrorPad": _pad}
+    "ResourceGather": _gather, "Split": _split, "SplitV": _split, "Unpack": _split, "OneHot": _one_hot,
+    **{kind: _pad for kind in PADS}}
 
 
 def flips(op):

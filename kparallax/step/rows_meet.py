@@ -295,7 +295,7 @@ def _meeting_message(meeting, where):
     elif meeting.kind == "sliced" and op.type == "Reshape":
         how = (f"Reshape joins the rows of the batch, axis 0 of its input {x.shape}, into a fixed count of entries "
                f"whatever the size of the batch (to {op.outputs[0].shape}), each entry holding a share of the batch")
-    elif meeting.kind == "sliced" and op.type in ("Pad", "PadV2", "MirrorPad"):
+    elif meeting.kind == "sliced" and op.type in row_axes.PADS:
         how = (f"{op.type} adds rows before or after the rows of the batch, axis {axis} of its input {x.shape}, as "
                "many to each worker's part as one process adds to the whole batch; pad along another axis, or pad "
                "the rows gathered over every worker")
