@@ -51,7 +51,7 @@ EXPRESSIONS = {
     "a set of distinct ids": (lambda x, ids, w: tf.unique(ids)[0], None),
     "tiled columns": (lambda x, ids, w: tf.tile(x, [1, 2]), 0),
     "tiled rows": (lambda x, ids, w: tf.tile(x, [2, 1]), 0),
-    "rows tiled by a count read": (lambda x, ids, w: tf.tile(x, tf.stack([tf.shape(x)[0], 1])), UNKNOWN),
+    "columns tiled by a count read": (lambda x, ids, w: tf.tile(x, tf.stack([1, tf.shape(w)[0]])), 0),
     "columns split": (lambda x, ids, w: tf.split(x, 3, axis=1)[2], 0),
     "columns unstacked": (lambda x, ids, w: tf.unstack(x, axis=1)[0], 0),
     "rows unstacked": (lambda x, ids, w: tf.unstack(x, num=4, axis=0)[0], UNKNOWN),
@@ -108,7 +108,8 @@ EXPRESSIONS = {
 
 
 # The expressions above that take rows of the batch by their place in it: ``sliced`` meetings where they are made.
-TAKEN_BY_PLACE = {"some rows", "one row", "rows joined into two entries", "gathered rows", "padded rows"}
+TAKEN_BY_PLACE = {"some rows", "one row", "rows joined into two entries", "gathered rows", "padded rows",
+                  "rows unstacked"}
 
 
 def _axes(rows):
@@ -135,6 +136,20 @@ def test_the_rows_axis_is_followed_through_the_ops_of_a_step():
         for name, (_, expected) in EXPRESSIONS.items():
             assert got[name] == expected, (rows, name, got[name])
         assert met == {name: "sliced" for name in TAKEN_BY_PLACE} and count == len(TAKEN_BY_PLACE), (rows, met)
+
+
+def _followed(build, rows, columns=3):
+    """``RowAxes`` of the batch (x [rows, 3], y [rows, ``columns``]) followed through ``build(x, y)``, traced with
+    ``rows`` rows (None: unknown); x and the output."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [rows, 3])
+        y = tf.compat.v1.placeholder(tf.float32, [rows, columns])
+        first = len(graph.get_operations())
+        output = build(x, y)
+        axes = row_axes.RowAxes((x, y))
+        axes.follow(graph.get_operations()[first:])
+    return axes, x, output
 
 
 # Rows of the batch x [B, 3] (y: another batch tensor [B, 2]) taken by their place in it: whether each makes a
@@ -213,14 +228,7 @@ def test_rows_joined_block_after_block_keep_their_blocks_and_split_back_into_the
     # off one process on 2 workers, silently; a view split back out of it must not be taken for rows by their place.
     for rows in (None, 4):
         for name, (build, expected, kinds) in BLOCKS.items():
-            graph = tf.Graph()
-            with graph.as_default():
-                x = tf.compat.v1.placeholder(tf.float32, [rows, 3])
-                y = tf.compat.v1.placeholder(tf.float32, [rows, 3])
-                first = len(graph.get_operations())
-                output = build(x, y)
-                axes = row_axes.RowAxes((x, y))
-                axes.follow(graph.get_operations()[first:])
+            axes, _, output = _followed(build, rows)
             got = (axes.axis(output), axes.entries(output), axes.blocks(output))
             assert got == expected, (rows, name, got)
             assert [m.kind for m in axes.meetings] == kinds, (rows, name, [m.op.name for m in axes.meetings])
@@ -231,17 +239,54 @@ def test_rows_taken_by_their_place_in_the_batch_are_sliced_meetings():
     # off one process, silently.
     for rows in (None, 4):
         for name, (build, expected) in TAKEN.items():
-            graph = tf.Graph()
-            with graph.as_default():
-                x = tf.compat.v1.placeholder(tf.float32, [rows, 3])
-                y = tf.compat.v1.placeholder(tf.float32, [rows, 2])
-                first = len(graph.get_operations())
-                build(x, y)
-                axes = row_axes.RowAxes((x, y))
-                axes.follow(graph.get_operations()[first:])
+            axes, x, _ = _followed(build, rows, columns=2)
             got = [("part" if m.part else m.kind) for m in axes.meetings]
             assert got == ([expected] if expected else []), (rows, name, got)
             assert all(m.rows[0][0] is x and m.rows[0][1] == 0 for m in axes.meetings), (rows, name)
+
+
+def _b(t):
+    return tf.shape(t)[0]
+
+
+# Every pair of rows of the batch x [B, 3] and y [B, 3] built, each pair in one entry: the meetings made, with the
+# batch's size unknown (None) and static (4). With a static size, tf.shape(x)[0] is the constant 4: a tile by it is 4
+# blocks (as tf.tile(x, [4, 1])), met where its entries are paired with rows in another order. Then what builds no
+# pairs.
+PAIRS = {
+    "tiled by the batch's size": (lambda x, y: tf.tile(x, tf.stack([_b(x), 1])), {None: ["tiled"], 4: []}),
+    "repeated by the batch's size": (lambda x, y: tf.repeat(x, _b(y), axis=0), {None: ["tiled"], 4: []}),
+    "repeated beside tiled": (lambda x, y: tf.concat([tf.repeat(x, _b(y), axis=0), tf.tile(y, [_b(x), 1])], 1),
+                              {None: ["tiled", "tiled"], 4: ["pairwise"]}),
+    "repeated minus tiled": (lambda x, y: tf.repeat(x, _b(y), axis=0) - tf.tile(y, [_b(x), 1]),
+                             {None: ["tiled", "tiled"], 4: ["pairwise"]}),
+    "a new axis tiled by the batch's size, side by side": (
+        lambda x, y: tf.concat([tf.tile(x[:, None], [1, _b(y), 1]), tf.tile(y[None], [_b(x), 1, 1])], -1),
+        {None: ["tiled", "tiled", "pairwise"], 4: ["pairwise"]}),
+    "broadcast side by side": (
+        lambda x, y: tf.concat([tf.broadcast_to(x[:, None], tf.stack([_b(x), _b(y), 3])),
+                                tf.broadcast_to(y[None], tf.stack([_b(x), _b(y), 3]))], -1),
+        {None: ["pairwise"], 4: ["pairwise"]}),
+    "broadcast and stacked": (
+        lambda x, y: tf.stack([tf.broadcast_to(x[:, None], tf.stack([_b(x), _b(y), 3])),
+                               tf.broadcast_to(y[None], tf.stack([_b(x), _b(y), 3]))], -1),
+        {None: ["pairwise"], 4: ["pairwise"]}),
+    "columns tiled by a count read": (lambda x, y: tf.tile(x, tf.stack([1, tf.shape(y)[1]])), {None: [], 4: []}),
+    "a weight tiled by the batch's size (a position's embedding)": (
+        lambda x, y: x + tf.tile(tf.ones([1, 3]), [_b(x), 1]), {None: [], 4: []}),
+    "two copies beside two views": (lambda x, y: tf.tile(x, [2, 1]) * tf.concat([y, x], 0), {None: [], 4: []}),
+    "each row repeated beside itself repeated": (
+        lambda x, y: tf.repeat(x, 2, axis=0) - tf.repeat(y, 2, axis=0), {None: [], 4: []}),
+}
+
+
+def test_pairs_of_rows_built_by_tiles_repeats_and_side_by_side_joins_are_meetings():
+    # Before, these were UNKNOWN and met nothing: a loss over every pair of the batch's rows trained apart from one
+    # process on 2 workers, silently (each worker pairs its own rows only).
+    for rows in (None, 4):
+        for name, (build, expected) in PAIRS.items():
+            axes, _, _ = _followed(build, rows)
+            assert sorted(m.kind for m in axes.meetings) == sorted(expected[rows]), (rows, name, axes.meetings)
 
 
 def test_a_reshape_splitting_rows_into_entries_counts_them_and_joining_them_back_restores_the_rows():

@@ -81,6 +81,9 @@ SCORED = {
     # the batch tiled, scored against two views of it joined (before: not seen)
     "a_tiled_batch_against_two_views": lambda q, d, w: tf.matmul(tf.tile(q, [2, 1]), tf.concat([q, d], 0),
                                                                  transpose_b=True),
+    # the batch's keys joined to a memory bank's rows (before: not seen, the side had more rows than the batch)
+    "keys_joined_to_a_memory_bank": lambda q, d, w: tf.matmul(q, tf.concat([d, tf.ones([5, 3])], 0), transpose_b=True),
+    "a_memory_bank_joined_to_the_keys": lambda q, d, w: tf.einsum("id,jd->ij", q @ w, tf.concat([w, d @ w], axis=0)),
 }
 
 
@@ -100,8 +103,9 @@ def test_rows_scored_against_each_other_are_refused_on_several_workers(name):
 def test_products_that_do_not_score_the_batch_against_itself_run():
     # A layer's kernel; sampled candidates (fewer rows than the batch: a weight's rows at the batch's distinct ids);
     # rows summed over (a Gram matrix of the batch, a statistic: a loss nonlinear in it is refused, below); each row
-    # against its own candidate.
+    # against its own candidate; against a memory bank's rows alone (MoCo's negatives), and joined to them.
     for product in (lambda q, d, w: q @ w,
+                    lambda q, d, w: tf.matmul(q, tf.concat([w, tf.ones([5, 3])], 0), transpose_b=True),
                     lambda q, d, w: tf.matmul(q, tf.gather(w, tf.unique(tf.cast(d[:, 0], tf.int32))[0]),
                                               transpose_b=True),
                     lambda q, d, w: tf.matmul(q, d, transpose_a=True),
@@ -129,7 +133,7 @@ MEETINGS = {
     "softmax": (lambda q, d, w: tf.nn.softmax(q @ w, axis=0),
                 "Rows of the batch meet in Softmax (Softmax along the rows of the batch, axis 1 of its input (3, "),
     "pairwise_differences": (lambda q, d, w: q[:, None, :] - d[None, :, :],
-                             "(axis 1), pairing every row of the batch with every other, as pairwise differences do"),
+                             "(axis 1), pairing every row of the batch with every other, as pairwise differences or"),
     "pairwise_distances": (lambda q, d, w: tf.norm(tf.expand_dims(q, 1) - tf.expand_dims(d, 0), axis=-1),
                            "pairing every row of the batch with every other"),
     "cumulative": (lambda q, d, w: tf.cumsum(q, axis=0), "(Cumsum along the rows of the batch, axis 0"),
@@ -479,6 +483,60 @@ def test_rows_taken_by_their_place_for_a_write_or_a_logged_value_alone_run():
     np.testing.assert_array_equal(first.numpy(), np.ones(3))
     assert _loss_refusal(lambda q, d, w: tf.reduce_mean(q @ w), logged=lambda q, d, w: q[:1] - d) is None
     assert _loss_refusal(lambda q, d, w: tf.reduce_mean(q[:tf.shape(d)[0]] @ w)) is None
+
+
+def _b(t):
+    return tf.shape(t)[0]
+
+
+def _pair_scores(q, d, w):
+    """A score [B * B] of every pair (query i, candidate j): both rows side by side in one entry, through ``w``."""
+    pairs = tf.concat([tf.repeat(q, _b(d), axis=0), tf.tile(d, [_b(q), 1])], axis=1)  # [B * B, 6]
+    return tf.squeeze(pairs @ tf.concat([w, w], 0), -1)
+
+
+# Losses over every pair of the batch's rows (a ranking loss's pairs, a relation network's): each form and its
+# message's fragment with the batch's size unknown and static (then tf.shape(q)[0] is a constant: a tile of the
+# batch, as tf.tile(q, [4, 1]), is not refused alone). Before: not seen.
+PAIR_LOSSES = {
+    "every_pair_by_repeat_and_tile": (
+        lambda q, d, w: tf.reduce_mean(tf.square(_pair_scores(q, d, w))),
+        {None: "(Tile copies the rows of the batch, axis 0 of its input (None, 1, 3), once per row of the batch",
+         4: "(ConcatV2 combines the entries of (16, 3) with those of (16, 3) in order, along axis 0"}),
+    "every_pair_differenced": (
+        lambda q, d, w: tf.reduce_mean(tf.square((tf.repeat(q, _b(d), axis=0) - tf.tile(d, [_b(q), 1])) @ w)),
+        {None: "as building every pair of the batch's rows with tf.tile or tf.repeat does",
+         4: "pairing rows of the batch with other rows"}),
+    "pairs_side_by_side_in_a_grid": (
+        lambda q, d, w: tf.reduce_mean(tf.square(tf.concat(
+            [tf.broadcast_to(q[:, None], tf.stack([_b(q), _b(d), 3])),
+             tf.broadcast_to(d[None], tf.stack([_b(q), _b(d), 3]))], -1) @ tf.concat([w, w], 0))),
+        {None: "pairing every row of the batch with every other, as pairwise differences or pairs of rows joined side",
+         4: "(ConcatV2 combines the rows of (4, 4, 3) (axis 0) with those of (4, 4, 3) (axis 1)"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PAIR_LOSSES))
+def test_losses_over_every_pair_of_the_batch_s_rows_are_refused_on_several_workers(name):
+    # One process pairs every row of the global batch with every other, each worker its own rows only.
+    loss, fragments = PAIR_LOSSES[name]
+    for rows in (None, 4):
+        message = _loss_refusal(loss, rows)
+        assert message is not None and fragments[rows] in message.replace("\\'", "'"), (rows, message)
+        assert "Received: that op in the training step of a job of 2 workers." in message
+    assert _loss_refusal(loss, workers=1) is None
+
+
+def test_tiles_by_a_count_read_that_build_no_pairs_run():
+    # A weight tiled by the batch's size (a position's embedding added to each row), each row's values tiled by a
+    # count read, each row repeated in place on both sides; a tile by the batch's size for a logged value alone.
+    for rows in (None, 4):
+        for alone in (lambda q, d, w: tf.reduce_mean((q + tf.tile(tf.ones([1, 3]), [_b(q), 1])) @ w),
+                      lambda q, d, w: tf.reduce_mean(tf.tile(q, tf.stack([1, tf.shape(d)[1] // 3])) @ w),
+                      lambda q, d, w: tf.reduce_mean((tf.repeat(q, 2, axis=0) - tf.repeat(d, 2, axis=0)) @ w)):
+            assert _loss_refusal(alone, rows) is None, rows
+        assert _loss_refusal(lambda q, d, w: tf.reduce_mean(q @ w), rows,
+                             logged=lambda q, d, w: tf.reduce_mean(tf.tile(q, [_b(d), 1]))) is None, rows
 
 
 def _sparsity(q, d, w):

@@ -44,7 +44,11 @@ batch and each worker over its own part (``meetings``):
   the rows);
 - ``softmax``: a softmax (or log-softmax) over the rows (``tf.nn.softmax(x, axis=0)``);
 - ``pairwise``: two tensors with rows on different axes broadcast against each other (pairwise differences,
-  ``a[:, None] - b[None, :]``);
+  ``a[:, None] - b[None, :]``) or joined side by side (``tf.concat([a_i, b_j], -1)`` of rows on axes 0 and 1: every
+  pair of rows);
+- ``tiled``: the batch's rows copied as many times as the batch has rows, a count read from its size while the step
+  runs (``tf.tile(z, [tf.shape(z)[0], 1])``, ``tf.repeat(z, tf.shape(z)[0], axis=0)``), as every pair of the
+  batch's rows is built;
 - ``cumulative``: a cumulative sum or product along the rows;
 - ``shifted``: the rows rolled or reversed along their axis (``tf.roll(x, 1, axis=0)``: each row paired with another
   row's place, as negatives taken by rolling the batch are);
@@ -54,9 +58,10 @@ batch and each worker over its own part (``meetings``):
   (``tf.scan``'s accumulator);
 - ``sliced``: rows taken by their place in the batch, which one process counts in the global batch and each worker
   in its own part: a slice, split or gather along the rows (``x[:1]``, ``tf.split(x, 2)``, ``tf.gather(x, [0,
-  2])``), a shuffle of them, a reshape into a fixed count of entries (``[B, d] -> [2, -1]``), rows padded on
-  before or after them (``tf.pad(x, [[1, 0], [0, 0]])``: each worker's part gets them, the global batch once); a
-  slice whose bounds are not known while tracing meets them only when it leaves some out (``Meeting.part``);
+  2])``, ``tf.unstack(x)``), a shuffle of them, a reshape into a fixed count of entries (``[B, d] -> [2, -1]``),
+  rows padded on before or after them (``tf.pad(x, [[1, 0], [0, 0]])``: each worker's part gets them, the global
+  batch once); a slice whose bounds are not known while tracing meets them only when it leaves some out
+  (``Meeting.part``);
 - ``nonlinear``: a statistic taken through a function other than a sum, a difference or a scaling by values without
   rows (the root of a mean squared error, a log of the batch's mean activation, a quotient or a matrix product of
   two statistics, a value chosen by a comparison of one, ``tf.where(tf.reduce_mean(x) > 0, a, b)``): one
@@ -132,6 +137,7 @@ _SELECTS = {"Select", "SelectV2"}  # nonlinear when a statistic chooses
 # Ops combining their inputs' values entry by entry or by products: one row of the batch meets what they combine it
 # with (the batch's rows, a statistic of them).
 _COMBINING = _ELEMENTWISE | _SELECTS | PRODUCTS | {"Einsum", "ConcatV2", "Pack"}
+_SIDE_BY_SIDE = _ELEMENTWISE | _SELECTS | {"ConcatV2", "Pack"}  # their inputs' entries combined in order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,11 +274,17 @@ class RowAxes:
 
     def _merge(self, op, axes, outputs):
         """``outputs`` (the rows' axes of ``op``'s outputs), recording the entries per row of those with rows: a
-        reshape's own (``_reshape``), or those of the inputs with rows (``UNKNOWN`` where they differ)."""
+        reshape's own (``_reshape``), or those of the inputs with rows (``UNKNOWN`` where they differ). Inputs of
+        different blocks combined entry by entry (``tf.repeat(a, k, axis=0)`` beside ``tf.tile(b, [k, 1])``: each
+        entry a row of one and another row of the other) are a ``pairwise`` meeting."""
         if op.type == "Reshape" or op.type in _CALLS or op.type in _LOOPS or op.name in self._own:  # their own
             return outputs
-        rows = [(self.entries(x), self.blocks(x)) for x, a in zip(op.inputs, axes) if isinstance(a, int)]
+        held = [(x, a) for x, a in zip(op.inputs, axes) if isinstance(a, int)]
+        rows = [(self.entries(x), self.blocks(x)) for x, _ in held]
         if len(set(rows)) > 1:
+            if op.type in _SIDE_BY_SIDE and any(isinstance(a, int) for a in outputs):
+                other = next(pair for pair, kept in zip(held, rows) if kept != rows[0])
+                self.meetings.append(Meeting(op, "pairwise", (held[0], other)))
             return [UNKNOWN if isinstance(a, int) else a for a in outputs]
         if rows and rows[0] != (1, 1):
             for tensor, axis in zip(op.outputs, outputs):
@@ -592,7 +604,10 @@ class RowAxes:
         statistics = [x for x, a in zip(values, value_axes) if a == STATISTIC]
         if not rows:
             return STATISTIC
-        if len(rows) > 1 or (op.type == "ConcatV2" and joined in rows):
+        if op.type == "ConcatV2" and joined in rows:
+            return UNKNOWN
+        if len(rows) > 1:  # entry [i, j] of rows i of one and j of another, side by side: every pair of rows
+            self.meetings.append(Meeting(op, "pairwise", tuple((x, a) for a, x in list(rows.items())[:2])))
             return UNKNOWN
         (axis, held), = rows.items()
         self._statistic_meets(op, (held, axis), statistics)
@@ -613,18 +628,37 @@ class RowAxes:
     def _tiled(self, op, axes):
         """``tf.tile`` (input, multiples): repeated along other axes, the rows stay on theirs; k copies along the
         rows' axis (k known while tracing: ``tf.tile(z, [2, 1])``) are k blocks of them one after the other, as
-        ``tf.concat([z, z], 0)`` (``_blocks_joined``); a count not known while tracing is not followed."""
+        ``tf.concat([z, z], 0)`` (``_blocks_joined``); a count along them not known while tracing is not followed.
+        Copies of the batch's rows counted by the batch's own size, read while the step runs (``tf.tile(z, [B,
+        1])``, ``tf.repeat(z, B, axis=0)``'s tile along a new axis), are a ``tiled`` meeting: every row copied once
+        per row of the batch, as every pair of the batch's rows is built."""
         x, axis = op.inputs[0], axes[0]
         if not isinstance(axis, int):
             return axis if axes[1] is None else UNKNOWN
-        copies = _static(op.inputs[1])[axis]
+        counts = _counts(op)
+        if any(tf.is_tensor(count) and self._batch_size(count) for count in counts):
+            self.meetings.append(Meeting(op, "tiled", ((x, axis),)))
+        copies = counts[axis]
+        if tf.is_tensor(copies) or copies < 1:
+            return UNKNOWN
         if copies == 1:
             return axis
-        if copies < 1:
-            return UNKNOWN
         self._own.add(op.name)
         self._set_rows(op.outputs[0], self.entries(x) * copies, self.blocks(x) * copies)
         return axis
+
+    def _batch_size(self, size):
+        """Whether scalar ``size`` is the size of the batch's rows read while the step runs (``tf.shape(x)[0]`` of
+        a tensor ``x`` with the batch's rows on axis 0), cast or reshaped."""
+        while size.op.type in ("Identity", "Cast", "Reshape", "Squeeze"):
+            size = size.op.inputs[0]
+        op = size.op
+        if op.type != "StridedSlice" or op.inputs[0].op.type != "Shape" or op.get_attr("shrink_axis_mask") != 1:
+            return False
+        shaped, index = op.inputs[0].op.inputs[0], _constant(op.inputs[1])
+        axis, rank = self.axis(shaped), shaped.shape.rank
+        return (isinstance(axis, int) and index is not None and rank is not None
+                and int(np.ravel(index)[0]) % rank == axis)
 
     def _reduced(self, op, axes):
         """A reduction's output: the rows' axis shifted, or ``STATISTIC`` when it reduces the rows."""
@@ -826,12 +860,19 @@ def _reshaped(op):
 
 
 def _size(tensor):
-    """A scalar size's value while tracing: a constant, or a static dimension read by ``tf.shape(x)[k]``."""
+    """A scalar size's value while tracing: a constant, or a static dimension read by ``tf.shape(x)[k]`` (of a
+    shape TensorFlow made a constant, too)."""
     value = _constant(tensor)
     if value is not None:
         return int(value)
     op = tensor.op
-    if op.type != "StridedSlice" or op.inputs[0].op.type != "Shape" or op.get_attr("shrink_axis_mask") != 1:
+    if op.type != "StridedSlice" or op.get_attr("shrink_axis_mask") != 1:
+        return None
+    index, shape = _constant(op.inputs[1]), _constant(op.inputs[0])
+    if shape is not None and index is not None and np.ndim(shape) == 1:
+        at = int(np.ravel(index)[0])
+        return int(shape[at]) if -len(shape) <= at < len(shape) else None
+    if op.inputs[0].op.type != "Shape":
         return None
     index, dims = _constant(op.inputs[1]), op.inputs[0].op.inputs[0].shape  # begin: [k], folded
     if index is None or dims.rank is None or not -dims.rank <= int(np.ravel(index)[0]) < dims.rank:
@@ -961,6 +1002,9 @@ def _placed(op, axes):
         if not isinstance(params, int) or indices is not None or axes[2] is not None or op.get_attr("batch_dims"):
             return None
         return (0, params, ()) if _static(op.inputs[2])[0] % op.inputs[0].shape.rank == params else None
+    if kind == "Unpack":  # tf.unstack along the rows: each output one row, by its place
+        rank = op.inputs[0].shape.rank
+        return (0, axes[0], ()) if isinstance(axes[0], int) and op.get_attr("axis") % rank == axes[0] else None
     if kind == "RandomShuffle":
         return (0, 0, ()) if axes[0] == 0 else None
     if kind in PADS:  # rows added before or after the batch's: as many on each worker
@@ -1048,6 +1092,22 @@ def _sizes(op):
             return []
         sizes = list(value)
     return [None if size is None else int(np.ravel(size)[0]) for size in sizes]
+
+
+def _counts(op):
+    """A ``Tile``'s multiples while tracing: per axis, an int, or the scalar tensor it is read from while the step
+    runs (an input of the ``Pack`` making them, as ``tf.tile(x, [tf.shape(x)[0], 1])`` does)."""
+    multiples = op.inputs[1]
+    value = _constant(multiples)
+    if value is not None:
+        return [int(count) for count in np.ravel(value)]
+    if multiples.op.type != "Pack":
+        raise ValueError("multiples not known while tracing")
+    counts = []
+    for count in multiples.op.inputs:
+        value = _size(count) if count.shape.rank == 0 else None
+        counts.append(count if value is None else int(value))
+    return counts
 
 
 def _first_size(op):

@@ -16,16 +16,17 @@ has its sample's rows, so it passes. Products in functions of their own (a ``tf.
 body) are not seen (the meetings below are: ``row_axes`` follows calls and loops).
 
 Rows that meet in other ways (``row_axes``: a statistic over the batch combined with its rows, a softmax over the
-batch axis, pairwise differences, a cumulative sum along the rows, a top-k or sort over them, a roll or reverse
-of them, a value a loop over them carries from row to row, rows taken by their place in the batch) get the same
-kind of check: it fails when the tensors meeting there have as many rows as the worker's batch on the axes that hold
-them (a slice whose bounds are not known while tracing: and its output has fewer). Ops made under ``apart()``
-(BatchNormalization's per-worker statistics, ``sync_batch_norm=False``; Keras' masked mean loss, whose valid count
-the step counts over the workers itself; a scalar loss or metric recomputed on the batch's rows repeated twice, to
-tell a sum from a mean) and ``kp.all_gather``'s outputs are not followed. Rows taken by their place are checked
-only where a differentiated loss is computed from them (below): taken for a variable's write alone, the variable's
-aggregation combines them (``x[0]`` kept in an ``ONLY_FIRST_REPLICA`` variable: worker 0's, the global batch's).
-Only the forward pass's meetings are checked: the backward pass meets where it does.
+batch axis, pairwise differences, every pair of its rows built side by side or by tiles, a cumulative sum along the
+rows, a top-k or sort over them, a roll or reverse of them, a value a loop over them carries from row to row, rows
+taken by their place in the batch) get the same kind of check: it fails when the tensors meeting there have as many
+rows as the worker's batch on the axes that hold them (a slice whose bounds are not known while tracing: and its
+output has fewer). Ops made under ``apart()`` (BatchNormalization's per-worker statistics,
+``sync_batch_norm=False``; Keras' masked mean loss, whose valid count the step counts over the workers itself; a
+scalar loss or metric recomputed on the batch's rows repeated twice, to tell a sum from a mean) and
+``kp.all_gather``'s outputs are not followed. Rows taken by their place (and copied once per row by a tile) are
+checked only where a differentiated loss is computed from them (below): taken for a variable's write alone, the
+variable's aggregation combines them (``x[0]`` kept in an ``ONLY_FIRST_REPLICA`` variable: worker 0's, the global
+batch's). Only the forward pass's meetings are checked: the backward pass meets where it does.
 
 A statistic of the batch taken through a function other than a sum or a scaling (``row_axes``' ``nonlinear``: a
 root mean squared error as the loss, a loss divided by a statistic of the batch) is checked the same way, on the rows
@@ -91,7 +92,8 @@ def refused(num_workers, micro_batches, data):
     for op in ops:
         sides = _scored_rows(op)
         if sides is not None and all(tail.reaches(side) and not _read_from(side, marked) for side in sides):
-            checks.append(((sides[0], 0), (sides[1], 0), _message(op, *sides, where)))
+            held = [_batch_part(side, tail) for side in sides]
+            checks.append(((held[0], 0), (held[1], 0), _message(op, *sides, where)))
     axes = row_axes.RowAxes(data, apart=marked, apart_ops=apart_ops)
     axes.follow(ops)
     meetings = _forward(axes.meetings, row_axes.feeding(targets, ops))
@@ -181,16 +183,16 @@ def apart():
 
 
 def _forward(meetings, feeding):
-    """The ``meetings`` of the forward pass (the backward pass meets where it does), of the ``nonlinear`` and
-    ``sliced`` kinds only those in ``feeding`` (names of the ops a differentiated loss is computed from), of the
-    ``nonlinear`` kind the first of each statistic. Rows taken by their place for a variable's write alone are the
-    variable's aggregation's to combine (``x[0]`` kept in an ``ONLY_FIRST_REPLICA`` variable: worker 0's first
-    row, the global batch's)."""
+    """The ``meetings`` of the forward pass (the backward pass meets where it does), of the ``nonlinear``,
+    ``sliced`` and ``tiled`` kinds only those in ``feeding`` (names of the ops a differentiated loss is computed
+    from), of the ``nonlinear`` kind the first of each statistic. Rows taken by their place for a variable's write
+    alone are the variable's aggregation's to combine (``x[0]`` kept in an ``ONLY_FIRST_REPLICA`` variable: worker
+    0's first row, the global batch's)."""
     kept, statistics = [], set()
     for meeting in meetings:
         if row_axes.BACKWARD in f"/{meeting.at.name}":
             continue
-        if meeting.kind == "sliced" and meeting.at.name not in feeding:
+        if meeting.kind in ("sliced", "tiled") and meeting.at.name not in feeding:
             continue
         if meeting.kind == "nonlinear":
             if meeting.at.name not in feeding or meeting.source.name in statistics:
@@ -239,6 +241,17 @@ def _einsum_rows(op):
     return op.inputs[0], op.inputs[1]
 
 
+def _batch_part(side, tail):
+    """The tensor of a scored product's ``side`` that holds the batch's rows: ``side``, or where it joins the rows
+    of one tensor the batch reaches to rows of others it does not (``tf.concat([k, bank], axis=0)``: the batch's keys
+    and a memory bank's), that tensor, so the product is checked on the batch's part."""
+    if side.op.type != "ConcatV2" or side.shape.rank != 2:
+        return side
+    axis = tf.get_static_value(side.op.inputs[-1])
+    parts = [x for x in side.op.inputs[:-1] if tail.reaches(x)]
+    return parts[0] if axis is not None and int(axis) % 2 == 0 and len(parts) == 1 else side
+
+
 def _untransposed(tensor, transposed):
     """``tensor`` and whether it is used transposed, looking through a ``Transpose`` swapping its two axes."""
     if tensor.op.type == "Transpose":
@@ -280,12 +293,21 @@ def _meeting_message(meeting, where):
         how = (f"{op.type} combines {what} with {meeting.source.type} over the rows of the batch in "
                f"{meeting.source.name}, a statistic of the batch, as centering or normalizing over the batch by hand "
                "does")
+    elif meeting.kind == "pairwise" and meeting.rows[1][1] == axis:
+        other = meeting.rows[1][0]
+        how = (f"{op.type} combines the entries of {x.shape} with those of {other.shape} in order, along axis {axis}, "
+               "each holding the rows of the batch in another order (each row copied in place by tf.repeat, the "
+               "whole batch copied after itself by tf.tile or tf.concat), pairing rows of the batch with other rows")
     elif meeting.kind == "pairwise":
         other, other_axis = meeting.rows[1]
         against = (_A_ROW.format(other.shape) if other_axis == row_axes.ROW else
                    f"those of {other.shape} (axis {other_axis})")
         how = (f"{op.type} combines the rows of {x.shape} (axis {axis}) with {against}, pairing every row of the "
-               "batch with every other, as pairwise differences do")
+               "batch with every other, as pairwise differences or pairs of rows joined side by side do")
+    elif meeting.kind == "tiled":
+        how = (f"{op.type} copies the rows of the batch, axis {axis} of its input {x.shape}, once per row of the batch "
+               "(a count read from its size while the step runs), as building every pair of the batch's rows with "
+               "tf.tile or tf.repeat does")
     elif meeting.kind == "shifted":
         how = (f"{op.type} reorders the rows of the batch along axis {axis} of its input {x.shape}, putting each row "
                "in another row's place, as negatives taken by rolling or reversing the batch are")
