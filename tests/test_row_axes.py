@@ -172,6 +172,9 @@ TAKEN = {
     "rows mirrored on both ends": (lambda x, y: tf.pad(x, [[1, 1], [0, 0]], mode="REFLECT"), "sliced"),
     "as many rows as another batch tensor": (lambda x, y: x[:tf.shape(y)[0]], "part"),
     "rows up to a count read": (lambda x, y: tf.slice(x, [0, 0], tf.stack([tf.shape(y)[0] - 1, 3])), "part"),
+    "rows padded by a count read": (
+        lambda x, y: tf.pad(x, tf.stack([tf.stack([0, tf.size(tf.unique(tf.cast(y[:, 0], tf.int32))[0])]), [0, 0]])),
+        "part"),
     "a column": (lambda x, y: x[:, 1], None),
     "columns padded": (lambda x, y: tf.pad(x, [[0, 0], [2, 1]], constant_values=1.0), None),
     "columns from a count read": (lambda x, y: x[:, tf.shape(y)[1]:], None),

@@ -451,6 +451,10 @@ TAKEN_LOSSES = {
     "consecutive_rows_differenced_by_pads": (
         lambda q, d, w: tf.reduce_mean(tf.square((tf.pad(q, [[1, 0], [0, 0]]) - tf.pad(q, [[0, 1], [0, 0]])) @ w)),
         "(Pad adds rows before or after the rows of the batch, axis 0 of its input ("),
+    "the_batch_padded_to_a_fixed_size": (
+        lambda q, d, w: tf.reduce_mean(tf.square(tf.pad(q, [[0, 6 - tf.shape(q)[0]], [0, 0]], constant_values=1.0)
+                                                 @ w)),
+        "(PadV2 adds rows before or after the rows of the batch, axis 0 of its input ("),
     "the_batch_in_two_groups": (lambda q, d, w: tf.reduce_sum(tf.square(tf.reduce_mean(tf.reshape(q @ w, [2, -1]),
                                                                                        axis=1))),
                                 "(Reshape joins the rows of the batch, axis 0 of its input (")}
@@ -483,6 +487,8 @@ def test_rows_taken_by_their_place_for_a_write_or_a_logged_value_alone_run():
     np.testing.assert_array_equal(first.numpy(), np.ones(3))
     assert _loss_refusal(lambda q, d, w: tf.reduce_mean(q @ w), logged=lambda q, d, w: q[:1] - d) is None
     assert _loss_refusal(lambda q, d, w: tf.reduce_mean(q[:tf.shape(d)[0]] @ w)) is None
+    # padded up to the size it has (paddings read while the step runs, adding no row)
+    assert _loss_refusal(lambda q, d, w: tf.reduce_mean(tf.pad(q, [[0, 4 - tf.shape(d)[0]], [0, 0]]) @ w)) is None
 
 
 def _b(t):

@@ -60,8 +60,8 @@ batch and each worker over its own part (``meetings``):
   in its own part: a slice, split or gather along the rows (``x[:1]``, ``tf.split(x, 2)``, ``tf.gather(x, [0,
   2])``, ``tf.unstack(x)``), a shuffle of them, a reshape into a fixed count of entries (``[B, d] -> [2, -1]``),
   rows padded on before or after them (``tf.pad(x, [[1, 0], [0, 0]])``: each worker's part gets them, the global
-  batch once); a slice whose bounds are not known while tracing meets them only when it leaves some out
-  (``Meeting.part``);
+  batch once); a slice whose bounds (a pad whose paddings) are not known while tracing meets them only when it
+  leaves some out (adds some: ``Meeting.part``);
 - ``nonlinear``: a statistic taken through a function other than a sum, a difference or a scaling by values without
   rows (the root of a mean squared error, a log of the batch's mean activation, a quotient or a matrix product of
   two statistics, a value chosen by a comparison of one, ``tf.where(tf.reduce_mean(x) > 0, a, b)``): one
@@ -152,7 +152,7 @@ class Meeting:
     calls: tuple = ()  # inside functions the step calls: the call ops, the step's own first
     held: tuple = ()  # then: pairs (tensor, axis) of the step's own call's inputs holding the batch's rows
     when: tuple = ()  # in a branch of the step's own tf.cond: (its predicate, True for the first branch)
-    part: tuple = ()  # ``sliced`` with bounds not known while tracing: ((output, axis),), real if it has fewer rows
+    part: tuple = ()  # ``sliced`` with bounds not known while tracing: ((output, axis),), real if its rows differ
 
     @property
     def at(self):
@@ -984,8 +984,8 @@ def _placed(op, axes):
     the batch's (``tf.gather(x, [0, 2])``, at a shuffled range), a shuffle of the rows, a reshape of the rows
     into a fixed count of entries (``[B, d] -> [2, -1]``), or a pad along them (paddings known while tracing); None
     otherwise. ``part`` is () when the op takes part of the rows whatever the batch's size, or (output, axis) when
-    its bounds are not known while tracing (``x[:tf.shape(y)[0]]``): it takes part of them only when that output
-    has fewer entries than its input."""
+    its bounds are not known while tracing (``x[:tf.shape(y)[0]]``; a pad by paddings read while the step runs):
+    it takes part of them (adds rows to them) only when that output has fewer (more) entries than its input."""
     kind = op.type
     if kind == "Reshape":
         return (0, 0, ()) if axes[0] == 0 and axes[1] is None and _grouped(op) else None
@@ -1008,9 +1008,11 @@ def _placed(op, axes):
     if kind == "RandomShuffle":
         return (0, 0, ()) if axes[0] == 0 else None
     if kind in PADS:  # rows added before or after the batch's: as many on each worker
-        paddings = _constant(op.inputs[1])
-        if not isinstance(axes[0], int) or paddings is None or any(a is not None for a in axes[1:]):
+        if not isinstance(axes[0], int) or any(a is not None for a in axes[1:]):
             return None
+        paddings = _constant(op.inputs[1])
+        if paddings is None:  # read while the step runs (up to a fixed size): real if it adds rows
+            return 0, axes[0], ((op.outputs[0], axes[0]),)
         return (0, axes[0], ()) if np.any(paddings[axes[0]]) else None
     if kind not in ("Slice", "StridedSlice"):
         return None

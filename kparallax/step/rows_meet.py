@@ -19,8 +19,8 @@ Rows that meet in other ways (``row_axes``: a statistic over the batch combined 
 batch axis, pairwise differences, every pair of its rows built side by side or by tiles, a cumulative sum along the
 rows, a top-k or sort over them, a roll or reverse of them, a value a loop over them carries from row to row, rows
 taken by their place in the batch) get the same kind of check: it fails when the tensors meeting there have as many
-rows as the worker's batch on the axes that hold them (a slice whose bounds are not known while tracing: and its
-output has fewer). Ops made under ``apart()`` (BatchNormalization's per-worker statistics,
+rows as the worker's batch on the axes that hold them (a slice or pad whose bounds are not known while tracing:
+and its output has fewer or more). Ops made under ``apart()`` (BatchNormalization's per-worker statistics,
 ``sync_batch_norm=False``; Keras' masked mean loss, whose valid count the step counts over the workers itself; a
 scalar loss or metric recomputed on the batch's rows repeated twice, to tell a sum from a mean) and
 ``kp.all_gather``'s outputs are not followed. Rows taken by their place (and copied once per row by a tile) are
@@ -110,13 +110,14 @@ def refused(num_workers, micro_batches, data):
 
 
 def _taking_part(meeting):
-    """For a ``sliced`` meeting whose bounds were not known while tracing (``x[:tf.shape(y)[0]]``): the condition
-    (predicate, True) that its output has fewer entries than its input, so a slice keeping every row runs. Inside a
-    function the step calls, the output is not the step's: checked on the call's inputs alone."""
+    """For a ``sliced`` meeting whose bounds were not known while tracing (``x[:tf.shape(y)[0]]``, a pad by
+    paddings read while the step runs): the condition (predicate, True) that its output has another count of entries
+    than its input, so a slice keeping every row, or a pad adding none, runs. Inside a function the step calls, the
+    output is not the step's: checked on the call's inputs alone."""
     if not meeting.part or meeting.calls:
         return ()
     [(taken, taken_axis)], (x, axis) = meeting.part, meeting.rows[0]
-    return ((tf.less(tf.shape(taken)[taken_axis], tf.shape(x)[axis]), True),)
+    return ((tf.not_equal(tf.shape(taken)[taken_axis], tf.shape(x)[axis]), True),)
 
 
 def _holds_every_row(tensor, axis, rows, entries):
@@ -318,9 +319,9 @@ def _meeting_message(meeting, where):
         how = (f"Reshape joins the rows of the batch, axis 0 of its input {x.shape}, into a fixed count of entries "
                f"whatever the size of the batch (to {op.outputs[0].shape}), each entry holding a share of the batch")
     elif meeting.kind == "sliced" and op.type in row_axes.PADS:
-        how = (f"{op.type} adds rows before or after the rows of the batch, axis {axis} of its input {x.shape}, as "
-               "many to each worker's part as one process adds to the whole batch; pad along another axis, or pad "
-               "the rows gathered over every worker")
+        how = (f"{op.type} adds rows before or after the rows of the batch, axis {axis} of its input {x.shape}: one "
+               "process pads the global batch once, each worker its own part; pad along another axis, or pad the "
+               "rows gathered over every worker")
     elif meeting.kind == "sliced":
         how = (f"{op.type} takes rows of the batch by their place in it, axis {axis} of its input {x.shape}, as "
                "the first row of the batch taken as an anchor, a batch laid out in halves and split, or rows taken at "
