@@ -220,9 +220,17 @@ BLOCKS = {
                               (0, 2, 2), ["statistic"]),
     "a function of the views": (lambda x, y: tf.function(lambda t: tf.split(t * 2.0, 2)[0])(tf.concat([x, y], 0)),
                                 (0, 1, 1), []),
-    "a Keras LSTM over the views": (
+    "a Keras LSTM over the views, split back": (
         lambda x, y: tf.split(tf.keras.layers.LSTM(2)(tf.concat([x, y], 0)[:, None, :] * tf.ones([1, 4, 1])), 2)[0],
-        (UNKNOWN, 1, 1), []),
+        (0, 1, 1), []),
+    "a Keras GRU's sequences over the views": (
+        lambda x, y: tf.keras.layers.GRU(2, return_sequences=True)(
+            tf.concat([x, y], 0)[:, None, :] * tf.ones([1, 4, 1])),
+        (0, 2, 2), []),
+    "a while loop summing the views, its state from zeros": (
+        lambda x, y: tf.while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, h + tf.concat([x, y], 0) * 2.0),
+                                   (0, tf.zeros([2 * tf.shape(x)[0], 3])))[1],
+        (0, 2, 2), []),
 }
 
 

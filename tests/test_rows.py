@@ -284,6 +284,10 @@ MEETINGS_PAST_A_LOOP = {
         "Rows of the batch meet in truediv (RealDiv combines rows of ("),
     "a_softmax_over_an_lstm_s_rows": (lambda q, d, w: tf.nn.softmax(_lstm(q), axis=0),
                                       "(Softmax along the rows of the batch"),
+    # two views of the batch joined along the rows through one GRU (before: its lists of time steps did not keep
+    # the blocks, not seen)
+    "two_views_through_a_gru_centered": (lambda q, d, w: _center(_gru_sequences(tf.concat([q, d], 0))),
+                                         "Rows of the batch meet in sub (Sub combines rows of ("),
     "a_state_summed_over_a_while_loop_then_centered": (
         lambda q, d, w: _center(tf.while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, h + q @ w),
                                               (0, tf.zeros([tf.shape(q)[0], 3])))[1]),
@@ -322,6 +326,26 @@ def test_rows_meeting_inside_a_function_the_step_calls_or_past_a_loop_are_refuse
         assert message is not None and fragment in message, (rows, message)
         assert "Received: that op in the training step of a job of 2 workers. Compute it per row" in message
     assert _refusal(meet, workers=1) is None
+
+
+@pytest.mark.usefixtures("rnns")
+def test_two_views_encoded_by_one_lstm_and_scored_against_each_other_are_refused():
+    # SimCLR's loss over sequences: both views joined along the rows, one LSTM over them, z @ z^T. Before, the LSTM's
+    # lists of time steps did not keep the views' blocks: not seen (the product's side had twice the batch's rows).
+    # Split back into its views, each row scored against its other view alone, it runs.
+    def scored(q, d, w):
+        z = _lstm(tf.concat([q, d], 0))
+        return tf.matmul(z, z, transpose_b=True)
+
+    def each_against_its_other_view(q, d, w):
+        z1, z2 = tf.split(_lstm(tf.concat([q, d], 0)), 2)
+        return tf.reduce_sum(z1 * z2, axis=1)
+
+    for rows in (None, 4):
+        message = _refusal(scored, rows)
+        assert message is not None and "The rows of the batch are scored against each other in MatMul" in message
+        assert _refusal(each_against_its_other_view, rows) is None
+    assert _refusal(scored, workers=1) is None
 
 
 def _ctc_loss(q, d, w):

@@ -20,7 +20,8 @@ inputs' axes are given to its body's placeholders and its outputs get its body's
 agreeing, else ``UNKNOWN``). Rows meeting inside are meetings of the call (``Meeting.calls``), checked at run time
 on the call's inputs that hold the batch's rows (``Meeting.checked``), the body's tensors being out of the step's
 reach. A ``while`` loop's body (a Keras RNN's over its time steps) is followed from the loop's inputs until its
-variables' axes settle, and its meetings are the loop's. A function or loop in a tape's backward pass is not
+variables' axes (and entries per row and blocks: a list's are its elements') settle, and its meetings are the
+loop's. A function or loop in a tape's backward pass is not
 followed.
 
 A reshape may split each row's values into several entries of the rows' axis (``[B, T, V] -> [B * T, V]``, as a
@@ -253,6 +254,10 @@ class RowAxes:
         row."""
         return self._blocks.get(tensor.ref(), 1)
 
+    def _rows_of(self, tensor):
+        """(entries, blocks) of ``tensor``: its rows' entries per row and blocks (a list's: its elements')."""
+        return self.entries(tensor), self.blocks(tensor)
+
     def _set_rows(self, tensor, entries, blocks):
         """Records ``tensor``'s entries per row and blocks (when not 1)."""
         self._merged.pop(tensor.ref(), None)
@@ -279,16 +284,16 @@ class RowAxes:
         entry a row of one and another row of the other) are a ``pairwise`` meeting."""
         if op.type == "Reshape" or op.type in _CALLS or op.type in _LOOPS or op.name in self._own:  # their own
             return outputs
-        held = [(x, a) for x, a in zip(op.inputs, axes) if isinstance(a, int)]
-        rows = [(self.entries(x), self.blocks(x)) for x, _ in held]
+        held = [(x, a) for x, a in zip(op.inputs, axes) if _has_rows(a)]  # a list's rows: its elements'
+        rows = [self._rows_of(x) for x, _ in held]
         if len(set(rows)) > 1:
             if op.type in _SIDE_BY_SIDE and any(isinstance(a, int) for a in outputs):
                 other = next(pair for pair, kept in zip(held, rows) if kept != rows[0])
                 self.meetings.append(Meeting(op, "pairwise", (held[0], other)))
-            return [UNKNOWN if isinstance(a, int) else a for a in outputs]
+            return [UNKNOWN if _has_rows(a) else a for a in outputs]
         if rows and rows[0] != (1, 1):
             for tensor, axis in zip(op.outputs, outputs):
-                if isinstance(axis, int):
+                if _has_rows(axis):
                     self._set_rows(tensor, *rows[0])
         return outputs
 
@@ -422,14 +427,15 @@ class RowAxes:
                  if isinstance(a, Listed) and x.ref() in self._listed_from]
         return tuple(held)
 
-    def _inner(self, body, inputs):
+    def _inner(self, body, inputs, rows=None):
         """A ``RowAxes`` of function graph ``body`` whose placeholders get the rows of ``inputs`` (pairs (tensor,
-        axis) of this graph), followed."""
+        axis) of this graph; their entries per row and blocks, or ``rows``' (pairs)), followed."""
         inner = RowAxes((), depth=self._depth + 1)
-        for placeholder, (x, axis) in zip(body.inputs, inputs):
+        rows = rows or [self._rows_of(x) for x, _ in inputs]
+        for placeholder, (x, axis), (entries, blocks) in zip(body.inputs, inputs, rows):
             if axis is not None:
                 inner._axes[placeholder.ref()] = axis
-            inner._set_rows(placeholder, self.entries(x), self.blocks(x))
+            inner._set_rows(placeholder, entries, blocks)
             if x.ref() in self._sources:
                 inner._sources[placeholder.ref()] = self._sources[x.ref()]
         inner.follow(body.get_operations())
@@ -456,21 +462,23 @@ class RowAxes:
         unknown = [UNKNOWN] * len(op.outputs)
         bodies = tf_compat.called_graphs(op)
         if (not bodies or self._depth >= _DEEPEST or BACKWARD in f"/{op.name}"
-                or any(self.entries(x) != 1 for x in op.inputs)
                 or len(bodies[0].inputs) != len(op.inputs) or len(bodies[0].outputs) != len(op.inputs)):
             return unknown
-        state = list(axes)
+        state, rows = list(axes), [self._rows_of(x) for x in op.inputs]
+        self._own.add(op.name)
         for _ in range(_ROUNDS):
-            inner = self._inner(bodies[0], list(zip(op.inputs, state)))
+            inner = self._inner(bodies[0], list(zip(op.inputs, state)), rows)
             after = [_union(a, inner.axis(t)) for a, t in zip(state, bodies[0].outputs)]
-            if after == state:
+            rows_after = [inner._rows_of(t) if _has_rows(a) else (1, 1) for a, t in zip(after, bodies[0].outputs)]
+            if after == state and rows_after == rows:
                 held = self._held(list(zip(op.inputs, axes)))
                 self._carried(op, bodies[0], state, held)
                 self._record(op, inner, held)
-                for x, y in zip(op.inputs, op.outputs):
+                for x, y, kept in zip(op.inputs, op.outputs, rows):
                     self._same_list(x, y)
+                    self._set_rows(y, *kept)
                 return state
-            state = after
+            state, rows = after, rows_after
         return unknown
 
     def _carried(self, op, body, state, held):
@@ -498,13 +506,15 @@ class RowAxes:
         back (the rows one axis on, or on axis 0). One row's value makes a list of rows only written at the index a
         row was read at (``tf.map_fn``'s loop writes its function's value for row i at i)."""
         kind, first = op.type, axes[0]
+        self._own.add(op.name)  # a list's entries per row and blocks are its elements'
+        listed = self._rows_of(op.inputs[0])
         if kind == "TensorListFromTensor":
             if first == ROW and axes[1] is None:
                 return [Listed(ROW, one_row=True)]
-            if (not isinstance(first, int) or axes[1] is not None or self.blocks(op.inputs[0]) != 1
-                    or (first == 0 and self.entries(op.inputs[0]) != 1)):
+            if not isinstance(first, int) or axes[1] is not None or (first == 0 and listed != (1, 1)):
                 return [UNKNOWN]
             self._listed_from[op.outputs[0].ref()] = (op.inputs[0], first)
+            self._set_rows(op.outputs[0], *listed)
             return [Listed(first - 1 if first else ROW)]
         if kind in ("TensorListLength", "TensorListElementShape"):
             return [None]
@@ -514,12 +524,20 @@ class RowAxes:
             item = axes[-1]
             if any(a is not None for a in axes[1:-1]) or not (isinstance(item, int) or item in (None, ROW)):
                 return [UNKNOWN]
+            if isinstance(item, int):  # the list's elements get the item's rows, which must be the list's
+                written = self._rows_of(op.inputs[-1])
+                if first is not None and isinstance(first.element, int) and written != listed:
+                    return [UNKNOWN]
+                listed = written
             rows = kind == "TensorListSetItem" and op.inputs[1].ref() in self._row_indices  # at a row's index
             self._same_list(op.inputs[0], op.outputs[0])
             merged = _union(first, Listed(item, one_row=item == ROW and not rows) if item is not None else None)
+            self._set_rows(op.outputs[0], *listed)
             return [merged if isinstance(merged, Listed) else UNKNOWN]
         if first is None or any(a is not None for a in axes[1:]):
             return [UNKNOWN] * len(op.outputs)
+        for tensor in op.outputs:
+            self._set_rows(tensor, *listed)
         if kind == "TensorListGetItem":
             if first.element == ROW and not first.one_row:
                 self._row_indices.add(op.inputs[1].ref())
@@ -809,6 +827,11 @@ def _reads(tensor, source):
         seen.add(current.ref())
         stack.extend(current.op.inputs)
     return False
+
+
+def _has_rows(axis):
+    """Whether a value of rows' axis ``axis`` holds the batch's rows on an axis (a list: its elements)."""
+    return isinstance(axis, int) or isinstance(axis, Listed) and isinstance(axis.element, int)
 
 
 def _union(a, b):
