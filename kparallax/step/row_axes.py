@@ -21,8 +21,7 @@ agreeing, else ``UNKNOWN``). Rows meeting inside are meetings of the call (``Mee
 on the call's inputs that hold the batch's rows (``Meeting.checked``), the body's tensors being out of the step's
 reach. A ``while`` loop's body (a Keras RNN's over its time steps) is followed from the loop's inputs until its
 variables' axes (and entries per row and blocks: a list's are its elements') settle, and its meetings are the
-loop's. A function or loop in a tape's backward pass is not
-followed.
+loop's. A function or loop in a tape's backward pass is not followed.
 
 A reshape may split each row's values into several entries of the rows' axis (``[B, T, V] -> [B * T, V]``, as a
 sequence's cross-entropy does) and join them back (``[B * T] -> [B, T]``): ``entries`` counts them. It may also
@@ -465,7 +464,6 @@ class RowAxes:
                 or len(bodies[0].inputs) != len(op.inputs) or len(bodies[0].outputs) != len(op.inputs)):
             return unknown
         state, rows = list(axes), [self._rows_of(x) for x in op.inputs]
-        self._own.add(op.name)
         for _ in range(_ROUNDS):
             inner = self._inner(bodies[0], list(zip(op.inputs, state)), rows)
             after = [_union(a, inner.axis(t)) for a, t in zip(state, bodies[0].outputs)]
@@ -666,8 +664,8 @@ class RowAxes:
         return axis
 
     def _batch_size(self, size):
-        """Whether scalar ``size`` is the size of the batch's rows read while the step runs (``tf.shape(x)[0]`` of
-        a tensor ``x`` with the batch's rows on axis 0), cast or reshaped."""
+        """Whether scalar ``size`` is the count of the batch's rows read while the step runs (``tf.shape(x)[k]`` of
+        a tensor ``x`` holding them on axis k), cast or reshaped."""
         while size.op.type in ("Identity", "Cast", "Reshape", "Squeeze"):
             size = size.op.inputs[0]
         op = size.op
