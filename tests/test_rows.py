@@ -559,7 +559,8 @@ def test_losses_over_every_pair_of_the_batch_s_rows_are_refused_on_several_worke
 
 def test_tiles_by_a_count_read_that_build_no_pairs_run():
     # A weight tiled by the batch's size (a position's embedding added to each row), each row's values tiled by a
-    # count read, each row repeated in place on both sides; a tile by the batch's size for a logged value alone.
+    # count read, each row repeated in place on both sides; a tile by the batch's size for a logged value alone;
+    # pairs of the worker's rows with kp.all_gather's rows.
     for rows in (None, 4):
         for alone in (lambda q, d, w: tf.reduce_mean((q + tf.tile(tf.ones([1, 3]), [_b(q), 1])) @ w),
                       lambda q, d, w: tf.reduce_mean(tf.tile(q, tf.stack([1, tf.shape(d)[1] // 3])) @ w),
@@ -567,6 +568,9 @@ def test_tiles_by_a_count_read_that_build_no_pairs_run():
             assert _loss_refusal(alone, rows) is None, rows
         assert _loss_refusal(lambda q, d, w: tf.reduce_mean(q @ w), rows,
                              logged=lambda q, d, w: tf.reduce_mean(tf.tile(q, [_b(d), 1]))) is None, rows
+        # every pair of a worker's rows with the rows gathered over the workers (the fix the message gives)
+        assert _loss_refusal(lambda q, d, w: tf.reduce_mean(tf.square(_pair_scores(q, rows_meet.gathered(d), w))),
+                             rows) is None, rows
 
 
 def _sparsity(q, d, w):
