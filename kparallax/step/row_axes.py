@@ -668,13 +668,8 @@ class RowAxes:
         a tensor ``x`` holding them on axis k), cast or reshaped."""
         while size.op.type in ("Identity", "Cast", "Reshape", "Squeeze"):
             size = size.op.inputs[0]
-        op = size.op
-        if op.type != "StridedSlice" or op.inputs[0].op.type != "Shape" or op.get_attr("shrink_axis_mask") != 1:
-            return False
-        shaped, index = op.inputs[0].op.inputs[0], _constant(op.inputs[1])
-        axis, rank = self.axis(shaped), shaped.shape.rank
-        return (isinstance(axis, int) and index is not None and rank is not None
-                and int(np.ravel(index)[0]) % rank == axis)
+        read = _dimension_read(size)
+        return read is not None and self.axis(read[0]) == read[1]
 
     def _reduced(self, op, axes):
         """A reduction's output: the rows' axis shifted, or ``STATISTIC`` when it reduces the rows."""
@@ -893,12 +888,21 @@ def _size(tensor):
     if shape is not None and index is not None and np.ndim(shape) == 1:
         at = int(np.ravel(index)[0])
         return int(shape[at]) if -len(shape) <= at < len(shape) else None
-    if op.inputs[0].op.type != "Shape":
+    read = _dimension_read(tensor)
+    return None if read is None else read[0].shape[read[1]]
+
+
+def _dimension_read(size):
+    """``(x, k)`` when scalar ``size`` is ``tf.shape(x)[k]`` (a ``StridedSlice`` of a ``Shape``, begin ``[k]``,
+    shrunk), k counted from the front; else None."""
+    op = size.op
+    if op.type != "StridedSlice" or op.get_attr("shrink_axis_mask") != 1 or op.inputs[0].op.type != "Shape":
         return None
-    index, dims = _constant(op.inputs[1]), op.inputs[0].op.inputs[0].shape  # begin: [k], folded
-    if index is None or dims.rank is None or not -dims.rank <= int(np.ravel(index)[0]) < dims.rank:
+    x, index = op.inputs[0].op.inputs[0], _constant(op.inputs[1])
+    rank = x.shape.rank
+    if index is None or rank is None or not -rank <= int(np.ravel(index)[0]) < rank:
         return None
-    return dims[int(np.ravel(index)[0])]
+    return x, int(np.ravel(index)[0]) % rank
 
 
 def _static(tensor):
