@@ -8,8 +8,8 @@ and means over the batch on a partial last batch),
 a train_on_batch loop from per-worker
 random initializations, steps_per_execution on a partial last batch, a second fit with another batch size and a
 class_weight, EarlyStopping restoring the best weights beside ModelCheckpoint(save_best_only), Keras'
-premade WideDeepModel) on 2 workers + 1 PS equal the same programs in one plain process on
-the global batch (issue 14); twenty-eight of them again with every table in 3 stripes over 2 PS tasks; two of them
+premade WideDeepModel, a language model with tied input and output tables, a DLRM-style click model) on 2 workers + 1 PS equal the same programs in one plain process on
+the global batch (issue 14); thirty of them again with every table in 3 stripes over 2 PS tasks; two of them
 again under a partitions="auto" search, which re-splits the table during fit."""
 
 import os
@@ -22,7 +22,7 @@ from kparallax import testing
 from programs import keras_programs
 
 PROGRAMS = os.path.join(os.path.dirname(__file__), "programs")
-SHARDS = 3  # each part runs in its own job under its own timeout (all 58 programs in one took ~280 s of 300; 68 now)
+SHARDS = 3  # each part runs in its own job under its own timeout (all 58 programs in one took ~280 s of 300; 72 now)
 
 
 @pytest.mark.multiprocess

@@ -1930,6 +1930,81 @@ def restore_best_weights(scope, batch):
     return model
 
 
+class TiedLogits(tf.keras.layers.Layer):
+    """Next-token logits from a table's own rows (weight tying, as GPT-2 and Keras' examples of it write it):
+    ``h @ table^T`` over the embedding layer's table, plus a bias."""
+
+    def __init__(self, embedding, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = embedding
+
+    def build(self, shape):
+        self.bias = self.add_weight("bias", [VOCAB], initializer="zeros")
+
+    def call(self, h):
+        return tf.matmul(h, self.embedding.embeddings, transpose_b=True) + self.bias
+
+
+def tied_embeddings(scope, batch):
+    """A language model whose output layer is its input table transposed (one table read by a lookup and by a
+    product with every row): the table's gradient is the lookup's rows plus a dense product's."""
+    ids, _ = _ids(47)
+    data = tf.data.Dataset.from_tensor_slices((ids[:, :-1], ids[:, 1:]))
+    with scope():
+        inputs = tf.keras.Input((LEN - 1,), dtype=tf.int32)
+        embedding = tf.keras.layers.Embedding(VOCAB, EMB)
+        h = tf.keras.layers.Dense(EMB, activation="tanh")(embedding(inputs))
+        model = tf.keras.Model(inputs, TiedLogits(embedding)(h))
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.01),
+                      loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        history = model.fit(data.batch(batch), epochs=2, verbose=0)
+    model.logged = [np.array(history.history["loss"])]
+    return model
+
+
+class DotInteraction(tf.keras.layers.Layer):
+    """DLRM's feature interaction: every pair of a row's feature vectors dotted (a batched ``f @ f^T`` per row),
+    the strictly upper triangle kept, next to the dense features' vector."""
+
+    def call(self, features):
+        stacked = tf.stack(features, axis=1)  # [B, F, d]
+        dots = tf.matmul(stacked, stacked, transpose_b=True)  # [B, F, F], each row's own pairs
+        count = len(features)
+        upper = [i * count + j for i in range(count) for j in range(i + 1, count)]
+        pairs = tf.gather(tf.reshape(dots, [-1, count * count]), upper, axis=1)
+        return tf.concat([features[0], pairs], axis=1)
+
+
+def dlrm(scope, batch):
+    """A DLRM-style click model as recommendation code writes one: three categorical features, each its own table
+    (two with mask-free single ids, one a bag of ids averaged), dense features through a bottom MLP, their dot
+    interactions, a top MLP, binary cross-entropy with AUC, Adagrad; a partial last batch."""
+    ids, rng = _ids(53)
+    dense = rng.normal(size=(ROWS - 11, 4)).astype(np.float32)
+    y = (rng.uniform(size=(ROWS - 11, 1)) > 0.6).astype(np.float32)
+    ids = ids[:ROWS - 11]
+    inputs = {"numeric": dense, "user": ids[:, :1], "item": (ids[:, 1:2] * 7) % VOCAB, "tags": ids[:, 2:]}
+    with scope():
+        dense_in = tf.keras.Input((4,), name="numeric")
+        user_in, item_in = tf.keras.Input((1,), name="user", dtype=tf.int32), tf.keras.Input((1,), name="item",
+                                                                                         dtype=tf.int32)
+        tags_in = tf.keras.Input((LEN - 2,), name="tags", dtype=tf.int32)
+        bottom = tf.keras.layers.Dense(EMB, activation="relu")(dense_in)
+        user = tf.keras.layers.Flatten()(tf.keras.layers.Embedding(VOCAB, EMB, name="users")(user_in))
+        item = tf.keras.layers.Flatten()(tf.keras.layers.Embedding(VOCAB, EMB, name="items")(item_in))
+        tags = tf.keras.layers.GlobalAveragePooling1D()(tf.keras.layers.Embedding(VOCAB, EMB, name="tag_table")(tags_in))
+        joined = DotInteraction()([bottom, user, item, tags])
+        out = tf.keras.layers.Dense(1, activation="sigmoid")(tf.keras.layers.Dense(8, activation="relu")(joined))
+        model = tf.keras.Model([dense_in, user_in, item_in, tags_in], out)
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.Adagrad(0.1), loss="binary_crossentropy",
+                      metrics=[tf.keras.metrics.AUC(name="auc")])
+        history = model.fit(inputs, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+    model.logged = [np.array([history.history[key] for key in sorted(history.history)])]
+    return model
+
+
 PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_by_tf_gradients, clipped_with_table, clipped_each,
                                     clipped_each_row, mixed_float16_clipped,
                                     clipped_two_optimizers, ratio_metrics, custom_metric_classes, vector_metric_results,
@@ -1953,7 +2028,7 @@ PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_by_tf_gradients, 
                                     added_metrics, tracked_train_step, multi_output, transformer_lm, per_row_map,
                                     paired_rows, callback_writes,
                                     steps_per_execution_partial, second_fit_other_batch, restore_best_weights,
-                                    wide_deep_premade,
+                                    wide_deep_premade, tied_embeddings, dlrm,
                                     built_by_first_step, train_on_batch_loop)}  # last two: they seed Keras' RNG
 
 
@@ -1964,8 +2039,8 @@ STRIPED = ("clipped_with_table", "clipped_each_row", "sparse_and_ragged_inputs",
            "lookup_layers", "shared_layer", "keras_callbacks", "backup_and_restore_resume", "partial_last_batch_arrays",
            "odd_batch_count_dataset", "masked_sequence_losses", "own_loss_partial_batch", "stateful_lstm",
            "two_optimizers", "fine_tuning", "own_embedding_layer", "transformer_lm", "steps_per_execution_partial",
-           "restore_best_weights", "wide_deep_premade", "callback_writes", "built_by_first_step",
-           "train_on_batch_loop")
+           "restore_best_weights", "wide_deep_premade", "callback_writes", "tied_embeddings", "dlrm",
+           "built_by_first_step", "train_on_batch_loop")
 
 
 def striped():
@@ -1980,3 +2055,4 @@ def shard(index, count):
         raise ValueError(f"A shard index must be in [0, {count}). Received: {index}")
     names = list(PROGRAMS)
     return names[index * len(names) // count:(index + 1) * len(names) // count]
+

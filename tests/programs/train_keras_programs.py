@@ -4,7 +4,7 @@ per-worker batch; under kparallax-run). Writes OUT_DIR/<program>.npz (weights, t
 keras_programs.STRIPED, under kparallax with every table in 3 stripes (partitions=3); "searched:NAME" runs program
 NAME, under kparallax with partitions="auto" (max_partitions=8, auto_steps=1: 2, 4 and 8 stripes over its first 6
 steps, then the one chosen), so the search re-partitions its tables during its fit; "only:NAME" runs program NAME
-alone (to check one while writing it).
+alone, "striped:NAME" alone with its tables in 3 stripes (to check one while writing it).
 Usage: train_keras_programs.py OUT_DIR MODE [SHARD]"""
 
 import contextlib
@@ -23,7 +23,7 @@ def main(out_dir, mode, part="0/1"):
         scope, batch, chief = contextlib.nullcontext, PER_WORKER_BATCH * programs.WORKERS, True
     else:
         import kparallax as kp  # pylint: disable=import-outside-toplevel
-        options = {"partitions": 3} if part == "striped" else {}
+        options = {"partitions": 3} if part == "striped" or part.startswith("striped:") else {}
         if part.startswith("searched:"):
             options = {"partitions": "auto", "max_partitions": 8, "auto_steps": 1}
         strategy = kp.HybridStrategy(**options)
@@ -33,7 +33,7 @@ def main(out_dir, mode, part="0/1"):
     programs.SHARED_DIR = out_dir
     if part == "striped":
         names = programs.striped()
-    elif part.startswith(("searched:", "only:")):
+    elif part.startswith(("searched:", "only:", "striped:")):
         names = [part.split(":", 1)[1]]
     else:
         index, count = (int(n) for n in part.split("/"))
