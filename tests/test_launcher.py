@@ -333,6 +333,10 @@ def test_a_cluster_file_of_this_host_only_starts_it_without_ssh(tmp_path):
     ("ps_write_unseen", ("refused: A PS variable is written during fit (assign of 'embedding/embeddings:0', in "
                          "callback hook 'batch_end') where the workers do not meet next",
                          "Received: assign of 'embedding/embeddings:0' in callback hook 'batch_end'.")),
+    ("metric_set_state", ("refused (weights unchanged: True): ", "ValueError: Metric 'largest_target' "
+                          "(LargestTarget) sets its state 'largest' in the training step (assign)",
+                          "Received: largest.assign(<Maximum>) in a step of 2 workers.",
+                          "gathered: logged largest_target [7.0]")),
     ("clip_accumulated", "ValueError: The train_step transforms the gradient of 'transformed/out/kernel:0' by a "
                          "function of its gradients (L2Loss op 'global_norm/L2Loss', e.g. tf.clip_by_global_norm or "
                          "tf.clip_by_value) that kparallax cannot compute on the global batch's gradients, because it "
@@ -352,7 +356,9 @@ def test_training_outside_the_strategy_is_refused_in_a_multi_worker_job(tmp_path
     each take its worker's own gradient. A custom train_step's second optimizer under sync=False would update
     each worker's copy of its variables alone (before, it was refused with the custom training loop's message). A
     callback writing a PS table through a function defined elsewhere (its hook's code names no write, so the workers
-    do not meet after it) would let worker 1's next step read the table before worker 0's write."""
+    do not meet after it) would let worker 1's next step read the table before worker 0's write. A metric state set
+    in the step (a running maximum, default aggregation SUM) would be logged as the sum of the workers' values (12
+    where one process holds 7); its maximum over kp.all_gather's rows, taken from worker 0, logs one process's."""
     run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "worker_behaviour.py"), mode],
                             log_dir=str(tmp_path), workers=2, ps=1, timeout=120)
     assert run.returncode == 0, run.report()

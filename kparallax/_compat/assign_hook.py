@@ -82,9 +82,11 @@ def _install():
 def combining(combine):
     """While active (in this thread): every ``assign`` / ``assign_add`` / ``assign_sub`` of a resource variable
     uses ``combine(variable, method, value)`` as its value (or delta); ``combine`` returns ``value`` for the
-    variables it leaves alone."""
+    variables it leaves alone. Nested, the inner ``combine`` takes what the outer one returns."""
     _install()
-    outer, _ACTIVE.combine = getattr(_ACTIVE, "combine", None), combine
+    outer = getattr(_ACTIVE, "combine", None)
+    _ACTIVE.combine = combine if outer is None else (
+        lambda variable, method, value: combine(variable, method, outer(variable, method, value)))
     try:
         yield
     finally:

@@ -53,6 +53,7 @@ from kparallax.step import collectives
 from kparallax.step import logs as logs_lib
 from kparallax.step import global_losses
 from kparallax.step import gradient_transforms
+from kparallax.step import metric_states
 from kparallax.step import replica_context
 from kparallax.step import rows_meet
 from kparallax.step import scalar_metrics
@@ -395,8 +396,9 @@ def _placed(original, model, single, iterator):
 def _train_step(original, model, data):
     """The model's own ``train_step`` (Keras' or the user's), its logs taken over all workers in the step
     (``step/logs.py``: Keras' metrics from their summed states, other scalars averaged; synchronous training only: it
-    is a collective). With several workers, its BatchNormalization layers take their statistics over all workers'
-    batches (``step/batch_norm.py``) and its losses count every worker's part as one process does
+    is a collective; a summed state the step sets instead of adding to is refused, ``step/metric_states.py``). With
+    several workers, its BatchNormalization layers take their statistics over all workers' batches
+    (``step/batch_norm.py``) and its losses count every worker's part as one process does
     (``step/global_losses.py``: compiled losses summed over the batch or masked, and, when batches may differ in
     size, each worker's gradient and logged scalars weighted by its share of the global batch); a tf.distribute
     replica context's ``all_gather`` and a user's ``all_reduce``, which would gather and reduce nothing, are refused
@@ -421,7 +423,8 @@ def _synchronous_step(original, model, data):
           rows_meet.refused(strategy.num_workers, strategy.options.backward_passes_per_step, data),
           gradient_transforms.recording(),
           scalar_metrics.weighing(model, data, strategy.num_workers, share),
-          state_variables.combined(model, strategy.is_ps_variable, strategy.num_workers, share)):
+          state_variables.combined(model, strategy.is_ps_variable, strategy.num_workers, share),
+          metric_states.checked(model, strategy.num_workers)):
         logs = original(model, data)
     return logs_lib.over_workers(logs, model.metrics, iterations, strategy.num_workers, "kp_step_logs", share,
                                  worker_index=strategy.worker_index)

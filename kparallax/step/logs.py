@@ -5,7 +5,8 @@ the metric asks otherwise: ``Mean`` a total and a count (so every ``MeanMetricWr
 user's metric function), ``AUC`` and the confusion-matrix metrics (precision, recall, F1, IoU, ...) counts,
 ``R2Score`` sums, and a user's ``Metric`` subclass whatever it adds up (an F1 from its own true and false positive
 counts). Summed over the workers, those states are the states one process would hold after the same global
-batches, so a result computed from the sums is one process's result, whatever its shape (``F1Score``'s array
+batches (when the step adds to them; one it sets instead is refused, ``metric_states.py``), so a result computed
+from the sums is one process's result, whatever its shape (``F1Score``'s array
 per class). An average of the workers' results is not, for any ratio (seen: a logged AUC 0.02 off one process, a
 user's F1 metric 0.0012 off) nor for a count (half of it on 2 workers). That is also what TensorFlow's
 distribution strategies do: a metric's result is computed from its states aggregated over the replicas, each by its

@@ -529,6 +529,21 @@ class RowsSeen(tf.keras.metrics.Metric):
         return self.count
 
 
+class PredictedTotal(tf.keras.metrics.Metric):
+    """A user's sum of the predictions in the epoch, its state set to itself plus the batch's sum (an ``assign``
+    that adds)."""
+
+    def __init__(self, name="predicted_total", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.total = self.add_weight("total", initializer="zeros")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.total.assign(self.total + tf.reduce_sum(y_pred))
+
+    def result(self):
+        return self.total
+
+
 class LastBatchMean(tf.keras.metrics.Metric):
     """The last batch's mean prediction: a state aggregated as the MEAN over replicas."""
 
@@ -560,14 +575,14 @@ class BatchesSeen(tf.keras.metrics.Metric):
 
 def custom_metric_classes(scope, batch):
     """Metric subclasses of a user's own (an F1 from its counts, a row count, a state averaged over replicas, a
-    step count taken from the first replica), with ReduceLROnPlateau watching the F1: every batch's and epoch's
+    step count taken from the first replica, a sum of predictions assigned as itself plus the batch's), with ReduceLROnPlateau watching the F1: every batch's and epoch's
     logs equal one process's."""
     (ids, features), y = _binary_data(41)
     logged = _Logged()
     with scope():
         model = _binary_classifier()
         model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="binary_crossentropy",
-                      metrics=[F1(threshold=0.45), RowsSeen(), LastBatchMean(), BatchesSeen()])
+                      metrics=[F1(threshold=0.45), RowsSeen(), LastBatchMean(), BatchesSeen(), PredictedTotal()])
         model.fit([ids, features], y, batch_size=batch, epochs=4, shuffle=False, verbose=0,
                   callbacks=[logged, tf.keras.callbacks.ReduceLROnPlateau("f1", mode="max", factor=0.5, patience=0)])
     model.logged = [np.array(logged.batches), np.array(logged.epochs)]

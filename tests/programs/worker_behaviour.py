@@ -5,7 +5,7 @@ Usage: worker_behaviour.py MODE (fail_rank1 | same_index | ok | compile_outside 
                                dropout_masks | several_models | clip_refused | clip_accumulated | shuffle_seeds |
                                bad_id_rank1 | made_before | built_by_first_call | unaggregated_state | manual_update |
                                async_two_optimizers | chief_only_model | chief_only_model_placed |
-                               some_stripes_clipped | stripes_clipped_each | ps_write_unseen)
+                               some_stripes_clipped | stripes_clipped_each | ps_write_unseen | metric_set_state)
 """
 
 import os
@@ -249,6 +249,46 @@ if mode == "manual_update":
             print(f"refused: {e}", flush=True)
         else:
             sys.exit("weights updated by hand from each worker's gradient trained silently")
+if mode == "metric_set_state":
+    # A metric of the user's keeping the largest target seen in the epoch, tf.maximum(state, max(y)), in a state of
+    # add_weight's default aggregation (SUM): logged from the workers' states summed, 5 + 7 = 12 where one process
+    # holds 7 (worker 0's rows 0, 1, 4, 5; worker 1's 2, 3, 6, 7). Then the fix the refusal gives: the maximum of
+    # kp.all_gather's rows, taken from worker 0 (ONLY_FIRST_REPLICA).
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    class LargestTarget(tf.keras.metrics.Metric):
+        def __init__(self, gathered=False, **kwargs):
+            super().__init__(name="largest_target", **kwargs)
+            self.gathered = gathered
+            self.largest = self.add_weight("largest", initializer="zeros", aggregation=(
+                tf.VariableAggregation.ONLY_FIRST_REPLICA if gathered else tf.VariableAggregation.SUM))
+
+        def update_state(self, y_true, y_pred, sample_weight=None):
+            rows = kp.all_gather(y_true) if self.gathered else y_true
+            self.largest.assign(tf.maximum(self.largest, tf.reduce_max(rows)))
+
+        def result(self):
+            return self.largest
+
+    x, y = np.ones((8, 1), np.float32), np.arange(8, dtype=np.float32)[:, None]
+    for gathered in (False, True):
+        with strategy.scope():
+            model = tf.keras.Sequential([tf.keras.Input((1,)), tf.keras.layers.Dense(1, name="out",
+                                                                                      kernel_initializer="ones")])
+            model.compile(optimizer="sgd", loss="mse", metrics=[LargestTarget(gathered)])
+            before = model.get_weights()
+            try:
+                history = model.fit(x, y, batch_size=2, shuffle=False, verbose=0)
+            except ValueError as e:
+                unchanged = all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+                print(f"refused (weights unchanged: {unchanged}): {e}", flush=True)
+                if gathered:
+                    sys.exit("the metric of kp.all_gather's rows was refused")
+            else:
+                if not gathered:
+                    sys.exit("a metric state set from each worker's rows was logged silently")
+                print(f"gathered: logged largest_target {history.history['largest_target']}", flush=True)
 if mode == "ps_write_unseen":
     # A callback shrinking the table after every batch through a function of the user's defined elsewhere: its hook's
     # code names no write, so fit's workers do not meet after it, and worker 1's next step could read the table

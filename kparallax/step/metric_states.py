@@ -1,0 +1,113 @@
+"""Metric states a training step sets instead of adding to: refused while the step is traced.
+
+``logs.py`` logs a metric's result from its states summed over the workers (``add_weight``'s default aggregation,
+``SUM``, which tf.distribute's strategies sum over replicas the same way). That is one process's state when the
+step only adds to a state: ``assign_add``, ``assign_sub`` or ``assign(state + delta)``, as every Keras metric
+does (totals, counts, confusion matrices). A state the step sets to a value of the batch (a last batch's mean, a
+running maximum ``assign(tf.maximum(state, ...))``) is not: the sum of the workers' values is no value one process
+holds (a last batch's mean logged at twice one process's on 2 workers), and the callbacks watching the metric
+(``EarlyStopping``, ``ReduceLROnPlateau``, ``ModelCheckpoint(save_best_only=True)``) act on it, silently.
+
+So while a synchronous step of several workers is traced (``checked``), an ``assign`` of a ``SUM`` state of a
+metric whose result comes from its states (``logs.is_additive``) is refused unless its value is the state plus
+(or minus) something that does not read the state, naming the metric, the state and the fixes. States that say how
+the workers' values combine (``MEAN``, ``ONLY_FIRST_REPLICA``) are the user's choice and are not checked, nor are
+metrics whose results are averaged (states made with ``tf.Variable``), nor ``scatter_*`` writes and raw ops.
+"""
+
+import contextlib
+
+import tensorflow as tf
+
+from kparallax._compat import assign_hook
+from kparallax.step import logs
+
+_PASSED = ("Identity", "Cast")
+_ADDS = ("AddV2", "Add", "Sub")
+_SEARCHED = 256  # ops looked at for a read of the state in the delta (beyond: taken to read it)
+
+
+@contextlib.contextmanager
+def checked(model, num_workers):
+    """While ``model``'s synchronous training step is traced with ``num_workers`` workers: an ``assign`` of a
+    ``SUM`` state of one of its metrics raises ``ValueError`` unless it adds to the state."""
+    if num_workers == 1:
+        yield
+        return
+    states, others = {}, set()
+
+    def refresh():
+        for metric in model.metrics:
+            if logs.is_additive(metric):
+                for variable in metric.variables:
+                    if variable.aggregation == tf.VariableAggregation.SUM:
+                        states[variable.ref()] = metric
+
+    def check(variable, method, value):
+        key = variable.ref()
+        if key not in states and key not in others:
+            refresh()
+            if key not in states:
+                others.add(key)
+        if method == "assign" and key in states and not tf.executing_eagerly() and not _adds_to(variable, value):
+            raise _refusal(states[key], variable, value, num_workers)
+        return value
+
+    with assign_hook.combining(check):
+        yield
+
+
+def _adds_to(variable, value):
+    """Whether ``value`` (a tensor of the step being traced) is ``variable``'s value read in this graph plus or minus
+    a tensor that does not read it."""
+    if not tf.is_tensor(value) or not hasattr(getattr(value, "graph", None), "capture"):
+        return False
+    handle = value.graph.capture(variable.handle).name
+    op = _passed(value).op
+    if op.type not in _ADDS:
+        return False
+    sides = [_passed(x) for x in op.inputs]
+    read = [i for i, x in enumerate(sides) if x.op.type == "ReadVariableOp" and x.op.inputs[0].name == handle]
+    if not read or (op.type == "Sub" and read[0] != 0):
+        return False
+    delta = sides[1 - read[0]]
+    return not _reads(delta, handle)
+
+
+def _passed(tensor):
+    while tensor.op.type in _PASSED:
+        tensor = tensor.op.inputs[0]
+    return tensor
+
+
+def _reads(tensor, handle):
+    """Whether ``tensor`` depends on the tensor named ``handle`` (the state's captured handle), looked for among
+    ``_SEARCHED`` ops."""
+    seen, stack = set(), [tensor.op]
+    while stack:
+        op = stack.pop()
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        if len(seen) > _SEARCHED:
+            return True
+        if any(x.name == handle for x in op.inputs):
+            return True
+        stack.extend(x.op for x in op.inputs)
+        stack.extend(op.control_inputs)
+    return False
+
+
+def _refusal(metric, variable, value, num_workers):
+    made = _passed(value).op.type if tf.is_tensor(value) else type(value).__name__
+    state = variable.name.split("/")[-1].split(":")[0]
+    return ValueError(
+        f"Metric {metric.name!r} ({type(metric).__name__}) sets its state {state!r} in the training step "
+        "(assign), while kparallax logs a metric's result from its states summed over the workers (add_weight's "
+        "default aggregation, SUM, as tf.distribute's strategies sum them): the sum of the workers' values so set "
+        "is no value one process holds after the global batch, and callbacks watching the metric would act on it, "
+        f"silently. Received: {state}.assign(<{made}>) in a step of {num_workers} workers. Add to the state "
+        f"(self.{state}.assign_add(...), or assign({state} + delta)); or say how the workers' values combine: "
+        "add_weight(..., aggregation=tf.VariableAggregation.MEAN) averages them (a value each worker computes "
+        "alike from its batch), ONLY_FIRST_REPLICA takes worker 0's (a value of the global batch, such as a "
+        "maximum over all rows, computed from kp.all_gather(values) on every worker).")

@@ -1,0 +1,90 @@
+"""A metric state the training step sets instead of adding to (kparallax/step/metric_states.py): refused while a
+step of several workers is traced, since its logged result comes from the workers' states summed; states that add
+(assign_add, assign_sub, assign(state + delta)), states that say how they combine, and every Keras metric are not.
+In one process, tracing Keras' own train_step; the refusal in a real 2-worker fit is in test_launcher.py
+(metric_set_state)."""
+
+import pytest
+import tensorflow as tf
+
+from kparallax.step import metric_states
+
+
+class _Written(tf.keras.metrics.Metric):
+    """A state written by ``how`` from the batch's mean prediction."""
+
+    def __init__(self, how, aggregation=tf.VariableAggregation.SUM):
+        super().__init__(name="written")
+        self.how = how
+        self.state = self.add_weight("state", initializer="zeros", aggregation=aggregation)
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        x = tf.reduce_mean(y_pred)
+        writes = {"set": lambda: self.state.assign(x),
+                  "maximum": lambda: self.state.assign(tf.maximum(self.state, x)),
+                  "constant": lambda: self.state.assign(1.0),
+                  "subtracted_from": lambda: self.state.assign(x - self.state),
+                  "scaled_by_itself": lambda: self.state.assign(self.state + self.state * x),
+                  "assign_add": lambda: self.state.assign_add(x),
+                  "assign_sub": lambda: self.state.assign_sub(x),
+                  "plus": lambda: self.state.assign(self.state + x),
+                  "plus_first": lambda: self.state.assign(x + self.state),
+                  "minus": lambda: self.state.assign(self.state - x)}
+        writes[self.how]()
+
+    def result(self):
+        return self.state
+
+
+def _trace_step(metrics, workers=2):
+    model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(2, activation="sigmoid")])
+    model.compile("sgd", "mse", metrics=metrics)
+    x, y = tf.ones((4, 3)), tf.constant([[1., 0.], [0., 1.], [1., 1.], [0., 0.]])
+
+    @tf.function
+    def step():
+        with metric_states.checked(model, workers):
+            return model.train_step((x, y))
+
+    return step()
+
+
+@pytest.mark.parametrize("how, made", [("set", "Mean"), ("maximum", "Maximum"), ("constant", "float"),
+                                       ("subtracted_from", "Sub"), ("scaled_by_itself", "AddV2")])
+def test_a_state_set_in_the_step_is_refused_naming_the_metric_and_the_fixes(how, made):
+    with pytest.raises(ValueError) as refused:
+        _trace_step([_Written(how)])
+    message = str(refused.value)
+    assert "Metric 'written' (_Written) sets its state 'state' in the training step (assign)" in message
+    assert f"Received: state.assign(<{made}>) in a step of 2 workers." in message
+    assert "aggregation=tf.VariableAggregation.MEAN" in message and "kp.all_gather(values)" in message
+
+
+@pytest.mark.parametrize("how", ["assign_add", "assign_sub", "plus", "plus_first", "minus"])
+def test_a_state_added_to_is_not_refused(how):
+    assert "written" in _trace_step([_Written(how)])
+
+
+@pytest.mark.parametrize("aggregation", [tf.VariableAggregation.MEAN, tf.VariableAggregation.ONLY_FIRST_REPLICA])
+def test_a_state_saying_how_the_workers_combine_is_not_refused(aggregation):
+    assert "written" in _trace_step([_Written("maximum", aggregation)])
+
+
+def test_one_worker_is_not_checked():
+    assert "written" in _trace_step([_Written("maximum")], workers=1)
+
+
+def test_keras_metrics_are_not_refused():
+    m = tf.keras.metrics
+    metrics = [m.AUC(), m.AUC(multi_label=True, num_labels=2, name="auc_labels"), m.Accuracy(), m.BinaryAccuracy(),
+               m.BinaryCrossentropy(), m.BinaryIoU(), m.CategoricalAccuracy(), m.CategoricalCrossentropy(),
+               m.CategoricalHinge(), m.CosineSimilarity(), m.F1Score(), m.FBetaScore(), m.FalseNegatives(),
+               m.FalsePositives(), m.Hinge(), m.KLDivergence(), m.LogCoshError(), m.MeanAbsoluteError(),
+               m.MeanAbsolutePercentageError(), m.MeanRelativeError(normalizer=[1., 1.]), m.MeanSquaredError(),
+               m.MeanSquaredLogarithmicError(), m.Poisson(), m.Precision(), m.PrecisionAtRecall(0.5), m.R2Score(),
+               m.Recall(), m.RecallAtPrecision(0.5), m.RootMeanSquaredError(), m.SensitivityAtSpecificity(0.5),
+               m.SpecificityAtSensitivity(0.5), m.SquaredHinge(), m.TopKCategoricalAccuracy(k=1),
+               m.TrueNegatives(), m.TruePositives(), m.MeanIoU(2), m.IoU(2, [0]), m.OneHotIoU(2, [0]),
+               m.OneHotMeanIoU(2)]
+    logs = _trace_step(metrics)
+    assert len(logs) == len(metrics) + 1  # and the loss
