@@ -44,12 +44,14 @@ def checked(model, num_workers):
                         states[variable.ref()] = metric
 
     def check(variable, method, value):
+        if method != "assign" or variable.aggregation != tf.VariableAggregation.SUM or tf.executing_eagerly():
+            return value  # adds, or no summed state (weights and optimizer slots: aggregation NONE)
         key = variable.ref()
         if key not in states and key not in others:
             refresh()
             if key not in states:
                 others.add(key)
-        if method == "assign" and key in states and not tf.executing_eagerly() and not _adds_to(variable, value):
+        if key in states and not _adds_to(variable, value):
             raise _refusal(states[key], variable, value, num_workers)
         return value
 
