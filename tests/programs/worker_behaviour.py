@@ -251,8 +251,8 @@ if mode == "manual_update":
             sys.exit("weights updated by hand from each worker's gradient trained silently")
 if mode == "metric_set_state":
     # A metric of the user's keeping the largest target seen in the epoch, tf.maximum(state, max(y)), in a state of
-    # add_weight's default aggregation (SUM): logged from the workers' states summed, 5 + 7 = 12 where one process
-    # holds 7 (worker 0's rows 0, 1, 4, 5; worker 1's 2, 3, 6, 7). Then the fix the refusal gives: the maximum of
+    # add_weight's default aggregation (SUM): logged from the workers' states summed, 6 + 7 = 13 where one process
+    # holds 7 (worker 0's rows 0, 2, 4, 6; worker 1's 1, 3, 5, 7). Then the fix the refusal gives: the maximum of
     # kp.all_gather's rows, taken from worker 0 (ONLY_FIRST_REPLICA).
     import numpy as np  # pylint: disable=import-outside-toplevel
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
