@@ -336,6 +336,8 @@ def test_a_cluster_file_of_this_host_only_starts_it_without_ssh(tmp_path):
     ("metric_set_state", ("refused (weights unchanged: True): ", "ValueError: Metric 'largest_target' "
                           "(LargestTarget) sets its state 'largest' in the training step (assign)",
                           "Received: largest.assign(<Maximum>) in a step of 2 workers.",
+                          "ValueError: Metric 'classes_seen' (ClassesSeen) sets its state 'seen' in the training "
+                          "step (scatter_update)",
                           "gathered: logged largest_target [7.0]")),
     ("clip_accumulated", "ValueError: The train_step transforms the gradient of 'transformed/out/kernel:0' by a "
                          "function of its gradients (L2Loss op 'global_norm/L2Loss', e.g. tf.clip_by_global_norm or "
@@ -357,8 +359,8 @@ def test_training_outside_the_strategy_is_refused_in_a_multi_worker_job(tmp_path
     each worker's copy of its variables alone (before, it was refused with the custom training loop's message). A
     callback writing a PS table through a function defined elsewhere (its hook's code names no write, so the workers
     do not meet after it) would let worker 1's next step read the table before worker 0's write. A metric state set
-    in the step (a running maximum, default aggregation SUM) would be logged as the sum of the workers' values (12
-    where one process holds 7); its maximum over kp.all_gather's rows, taken from worker 0, logs one process's."""
+    in the step (a running maximum, default aggregation SUM) would be logged as the sum of the workers' values (13
+    where one process holds 7), and so would classes marked seen by scatter_update (4 where one process holds 2); its maximum over kp.all_gather's rows, taken from worker 0, logs one process's."""
     run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "worker_behaviour.py"), mode],
                             log_dir=str(tmp_path), workers=2, ps=1, timeout=120)
     assert run.returncode == 0, run.report()

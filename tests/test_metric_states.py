@@ -36,6 +36,31 @@ class _Written(tf.keras.metrics.Metric):
         return self.state
 
 
+class _Scattered(tf.keras.metrics.Metric):
+    """A state per class (the first target column's 0 or 1) written by ``how`` at the batch's classes."""
+
+    def __init__(self, how, aggregation=tf.VariableAggregation.SUM):
+        super().__init__(name="scattered")
+        self.how = how
+        self.state = self.add_weight("state", shape=(2,), initializer="zeros", aggregation=aggregation)
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        classes = tf.cast(y_true[:, 0], tf.int32)
+        rows = tf.IndexedSlices(tf.reduce_mean(y_pred, axis=1), classes)
+        nd = (classes[:, None], rows.values)
+        writes = {"scatter_update": lambda: self.state.scatter_update(rows),
+                  "scatter_max": lambda: self.state.scatter_max(rows),
+                  "scatter_mul": lambda: self.state.scatter_mul(rows),
+                  "scatter_nd_update": lambda: self.state.scatter_nd_update(*nd),
+                  "scatter_add": lambda: self.state.scatter_add(rows),
+                  "scatter_sub": lambda: self.state.scatter_sub(rows),
+                  "scatter_nd_add": lambda: self.state.scatter_nd_add(*nd)}
+        writes[self.how]()
+
+    def result(self):
+        return tf.reduce_sum(self.state)
+
+
 def _trace_step(metrics, workers=2):
     model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(2, activation="sigmoid")])
     model.compile("sgd", "mse", metrics=metrics)
@@ -68,6 +93,25 @@ def test_a_state_added_to_is_not_refused(how):
 @pytest.mark.parametrize("aggregation", [tf.VariableAggregation.MEAN, tf.VariableAggregation.ONLY_FIRST_REPLICA])
 def test_a_state_saying_how_the_workers_combine_is_not_refused(aggregation):
     assert "written" in _trace_step([_Written("maximum", aggregation)])
+
+
+@pytest.mark.parametrize("how, made", [("scatter_update", "IndexedSlices"), ("scatter_max", "IndexedSlices"),
+                                       ("scatter_mul", "IndexedSlices"), ("scatter_nd_update", "indices, updates")])
+def test_a_state_set_by_a_scatter_is_refused(how, made):
+    with pytest.raises(ValueError) as refused:
+        _trace_step([_Scattered(how)])
+    message = str(refused.value)
+    assert f"Metric 'scattered' (_Scattered) sets its state 'state' in the training step ({how})" in message
+    assert f"Received: state.{how}(<{made}>) in a step of 2 workers." in message
+
+
+@pytest.mark.parametrize("how", ["scatter_add", "scatter_sub", "scatter_nd_add"])
+def test_a_state_added_to_by_a_scatter_is_not_refused(how):
+    assert "scattered" in _trace_step([_Scattered(how)])
+
+
+def test_a_scatter_of_a_state_saying_how_the_workers_combine_is_not_refused():
+    assert "scattered" in _trace_step([_Scattered("scatter_update", tf.VariableAggregation.ONLY_FIRST_REPLICA)])
 
 
 def test_one_worker_is_not_checked():

@@ -10,9 +10,12 @@ holds (a last batch's mean logged at twice one process's on 2 workers), and the 
 
 So while a synchronous step of several workers is traced (``checked``), an ``assign`` of a ``SUM`` state of a
 metric whose result comes from its states (``logs.is_additive``) is refused unless its value is the state plus
-(or minus) something that does not read the state, naming the metric, the state and the fixes. States that say how
-the workers' values combine (``MEAN``, ``ONLY_FIRST_REPLICA``) are the user's choice and are not checked, nor are
-metrics whose results are averaged (states made with ``tf.Variable``), nor ``scatter_*`` writes and raw ops.
+(or minus) something that does not read the state, naming the metric, the state and the fixes; so is a ``scatter_*``
+write that sets entries (``scatter_update``, ``scatter_max``, ``scatter_mul``, their ``_nd`` forms,
+``batch_scatter_update``: the classes seen so far, marked 1, would be 2 where both workers saw one), while
+``scatter_add`` / ``scatter_sub`` (and ``_nd``) add and run. States that say how the workers' values combine
+(``MEAN``, ``ONLY_FIRST_REPLICA``) are the user's choice and are not checked, nor are metrics whose results are
+averaged (states made with ``tf.Variable``), nor raw ops.
 """
 
 import contextlib
@@ -24,6 +27,7 @@ from kparallax.step import logs
 
 _PASSED = ("Identity", "Cast")
 _ADDS = ("AddV2", "Add", "Sub")
+_SCATTERS_ADDING = ("scatter_add", "scatter_sub", "scatter_nd_add", "scatter_nd_sub")
 _SEARCHED = 256  # ops looked at for a read of the state in the delta (beyond: taken to read it)
 
 
@@ -43,19 +47,34 @@ def checked(model, num_workers):
                     if variable.aggregation == tf.VariableAggregation.SUM:
                         states[variable.ref()] = metric
 
-    def check(variable, method, value):
-        if method != "assign" or variable.aggregation != tf.VariableAggregation.SUM or tf.executing_eagerly():
-            return value  # adds, or no summed state (weights and optimizer slots: aggregation NONE)
+    def metric_of(variable):
+        """The metric whose summed state ``variable`` is, or None (looked up once per variable)."""
         key = variable.ref()
         if key not in states and key not in others:
             refresh()
             if key not in states:
                 others.add(key)
-        if key in states and not _adds_to(variable, value):
-            raise _refusal(states[key], variable, value, num_workers)
+        return states.get(key)
+
+    def check(variable, method, value):
+        if method != "assign" or variable.aggregation != tf.VariableAggregation.SUM or tf.executing_eagerly():
+            return value  # adds, or no summed state (weights and optimizer slots: aggregation NONE)
+        metric = metric_of(variable)
+        if metric is not None and not _adds_to(variable, value):
+            raise _refusal(metric, variable, method, _passed(value).op.type if tf.is_tensor(value)
+                           else type(value).__name__, num_workers)
         return value
 
-    with assign_hook.combining(check):
+    def check_scatter(variable, method):
+        if (method in _SCATTERS_ADDING or variable.aggregation != tf.VariableAggregation.SUM
+                or tf.executing_eagerly()):
+            return
+        metric = metric_of(variable)
+        if metric is not None:
+            raise _refusal(metric, variable, method, "indices, updates" if "_nd_" in method else "IndexedSlices",
+                           num_workers)
+
+    with assign_hook.combining(check), assign_hook.checking_scatters(check_scatter):
         yield
 
 
@@ -100,16 +119,15 @@ def _reads(tensor, handle):
     return False
 
 
-def _refusal(metric, variable, value, num_workers):
-    made = _passed(value).op.type if tf.is_tensor(value) else type(value).__name__
+def _refusal(metric, variable, method, made, num_workers):
     state = variable.name.split("/")[-1].split(":")[0]
     return ValueError(
         f"Metric {metric.name!r} ({type(metric).__name__}) sets its state {state!r} in the training step "
-        "(assign), while kparallax logs a metric's result from its states summed over the workers (add_weight's "
+        f"({method}), while kparallax logs a metric's result from its states summed over the workers (add_weight's "
         "default aggregation, SUM, as tf.distribute's strategies sum them): the sum of the workers' values so set "
         "is no value one process holds after the global batch, and callbacks watching the metric would act on it, "
-        f"silently. Received: {state}.assign(<{made}>) in a step of {num_workers} workers. Add to the state "
-        f"(self.{state}.assign_add(...), or assign({state} + delta)); or say how the workers' values combine: "
+        f"silently. Received: {state}.{method}(<{made}>) in a step of {num_workers} workers. Add to the state "
+        f"(self.{state}.assign_add(...), assign({state} + delta), or scatter_add); or say how the workers' values combine: "
         "add_weight(..., aggregation=tf.VariableAggregation.MEAN) averages them (a value each worker computes "
         "alike from its batch), ONLY_FIRST_REPLICA takes worker 0's (a value of the global batch, such as a "
         "maximum over all rows, computed from kp.all_gather(values) on every worker).")

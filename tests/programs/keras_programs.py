@@ -573,16 +573,36 @@ class BatchesSeen(tf.keras.metrics.Metric):
         return self.count
 
 
+class PositiveShareOfLabelOne(tf.keras.metrics.Metric):
+    """Of the rows predicted positive, the share whose label is 1: counts per label kept with ``scatter_add``."""
+
+    def __init__(self, name="positive_share_of_label_one", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.counts = self.add_weight("counts", shape=(2,), initializer="zeros")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        positive = tf.cast(tf.reshape(y_pred, [-1]) > 0.5, tf.float32)
+        self.counts.scatter_add(tf.IndexedSlices(positive, tf.cast(tf.reshape(y_true, [-1]), tf.int32)))
+
+    def result(self):
+        return tf.math.divide_no_nan(self.counts[1], tf.reduce_sum(self.counts))
+
+    def reset_state(self):
+        self.counts.assign(tf.zeros(2))
+
+
 def custom_metric_classes(scope, batch):
     """Metric subclasses of a user's own (an F1 from its counts, a row count, a state averaged over replicas, a
-    step count taken from the first replica, a sum of predictions assigned as itself plus the batch's), with ReduceLROnPlateau watching the F1: every batch's and epoch's
-    logs equal one process's."""
+    step count taken from the first replica, a sum of predictions assigned as itself plus the batch's, counts per
+    label kept with scatter_add), with ReduceLROnPlateau watching the F1: every batch's and epoch's logs equal one
+    process's."""
     (ids, features), y = _binary_data(41)
     logged = _Logged()
     with scope():
         model = _binary_classifier()
         model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="binary_crossentropy",
-                      metrics=[F1(threshold=0.45), RowsSeen(), LastBatchMean(), BatchesSeen(), PredictedTotal()])
+                      metrics=[F1(threshold=0.45), RowsSeen(), LastBatchMean(), BatchesSeen(), PredictedTotal(),
+                               PositiveShareOfLabelOne()])
         model.fit([ids, features], y, batch_size=batch, epochs=4, shuffle=False, verbose=0,
                   callbacks=[logged, tf.keras.callbacks.ReduceLROnPlateau("f1", mode="max", factor=0.5, patience=0)])
     model.logged = [np.array(logged.batches), np.array(logged.epochs)]

@@ -252,8 +252,9 @@ if mode == "manual_update":
 if mode == "metric_set_state":
     # A metric of the user's keeping the largest target seen in the epoch, tf.maximum(state, max(y)), in a state of
     # add_weight's default aggregation (SUM): logged from the workers' states summed, 6 + 7 = 13 where one process
-    # holds 7 (worker 0's rows 0, 2, 4, 6; worker 1's 1, 3, 5, 7). Then the fix the refusal gives: the maximum of
-    # kp.all_gather's rows, taken from worker 0 (ONLY_FIRST_REPLICA).
+    # holds 7 (worker 0's rows 0, 2, 4, 6; worker 1's 1, 3, 5, 7). Then the classes seen (target // 4), marked 1 by
+    # scatter_update: summed, 4 where one process holds 2 (each worker sees both classes). Then the fix the refusal gives: the maximum of kp.all_gather's
+    # rows, taken from worker 0 (ONLY_FIRST_REPLICA).
     import numpy as np  # pylint: disable=import-outside-toplevel
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
@@ -271,22 +272,38 @@ if mode == "metric_set_state":
         def result(self):
             return self.largest
 
+    class ClassesSeen(tf.keras.metrics.Metric):
+        def __init__(self, **kwargs):
+            super().__init__(name="classes_seen", **kwargs)
+            self.seen = self.add_weight("seen", shape=(2,), initializer="zeros")
+
+        def update_state(self, y_true, y_pred, sample_weight=None):
+            classes = tf.cast(tf.reshape(y_true, [-1]) // 4.0, tf.int32)
+            self.seen.scatter_update(tf.IndexedSlices(tf.ones_like(y_true[:, 0]), classes))
+
+        def result(self):
+            return tf.reduce_sum(self.seen)
+
+        def reset_state(self):
+            self.seen.assign(tf.zeros(2))
+
     x, y = np.ones((8, 1), np.float32), np.arange(8, dtype=np.float32)[:, None]
-    for gathered in (False, True):
+    for gathered in (False, "scatter", True):
         with strategy.scope():
             model = tf.keras.Sequential([tf.keras.Input((1,)), tf.keras.layers.Dense(1, name="out",
                                                                                       kernel_initializer="ones")])
-            model.compile(optimizer="sgd", loss="mse", metrics=[LargestTarget(gathered)])
+            model.compile(optimizer="sgd", loss="mse",
+                          metrics=[ClassesSeen() if gathered == "scatter" else LargestTarget(gathered)])
             before = model.get_weights()
             try:
                 history = model.fit(x, y, batch_size=2, shuffle=False, verbose=0)
             except ValueError as e:
                 unchanged = all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
                 print(f"refused (weights unchanged: {unchanged}): {e}", flush=True)
-                if gathered:
+                if gathered is True:
                     sys.exit("the metric of kp.all_gather's rows was refused")
             else:
-                if not gathered:
+                if gathered is not True:
                     sys.exit("a metric state set from each worker's rows was logged silently")
                 print(f"gathered: logged largest_target {history.history['largest_target']}", flush=True)
 if mode == "ps_write_unseen":
