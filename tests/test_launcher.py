@@ -338,7 +338,9 @@ def test_a_cluster_file_of_this_host_only_starts_it_without_ssh(tmp_path):
                           "Received: largest.assign(<Maximum>) in a step of 2 workers.",
                           "ValueError: Metric 'classes_seen' (ClassesSeen) sets its state 'seen' in the training "
                           "step (scatter_update)",
-                          "gathered: logged largest_target [7.0]")),
+                          "ValueError: Metric 'row_count' (RowCount) writes its state 'count' in the training step "
+                          "(assign_add), a variable of aggregation NONE",
+                          "fixed: logged largest_target [7.0]", "fixed: logged row_count [8.0]")),
     ("clip_accumulated", "ValueError: The train_step transforms the gradient of 'transformed/out/kernel:0' by a "
                          "function of its gradients (L2Loss op 'global_norm/L2Loss', e.g. tf.clip_by_global_norm or "
                          "tf.clip_by_value) that kparallax cannot compute on the global batch's gradients, because it "
@@ -360,7 +362,10 @@ def test_training_outside_the_strategy_is_refused_in_a_multi_worker_job(tmp_path
     callback writing a PS table through a function defined elsewhere (its hook's code names no write, so the workers
     do not meet after it) would let worker 1's next step read the table before worker 0's write. A metric state set
     in the step (a running maximum, default aggregation SUM) would be logged as the sum of the workers' values (13
-    where one process holds 7), and so would classes marked seen by scatter_update (4 where one process holds 2); its maximum over kp.all_gather's rows, taken from worker 0, logs one process's."""
+    where one process holds 7), and so would classes marked seen by scatter_update (4 where one process holds 2); a
+    row count in a tf.Variable (aggregation NONE) would be averaged (4 where one process counts 8). Its maximum over
+    kp.all_gather's rows, taken from worker 0, and the row count's variable given aggregation=SUM log one
+    process's."""
     run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "worker_behaviour.py"), mode],
                             log_dir=str(tmp_path), workers=2, ps=1, timeout=120)
     assert run.returncode == 0, run.report()

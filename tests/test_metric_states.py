@@ -1,6 +1,8 @@
-"""A metric state the training step sets instead of adding to (kparallax/step/metric_states.py): refused while a
-step of several workers is traced, since its logged result comes from the workers' states summed; states that add
-(assign_add, assign_sub, assign(state + delta)), states that say how they combine, and every Keras metric are not.
+"""A metric state the training step sets instead of adding to (an assign or a scatter that sets entries), and any
+write of a state of aggregation NONE (kparallax/step/metric_states.py): refused while a step of several workers is
+traced, since a logged result comes from the workers' states summed (or, for NONE, could only be their results
+averaged); states that add (assign_add, assign_sub, assign(state + delta), scatter_add), states that say how they
+combine, and every Keras metric are not.
 In one process, tracing Keras' own train_step; the refusal in a real 2-worker fit is in test_launcher.py
 (metric_set_state)."""
 
@@ -61,6 +63,26 @@ class _Scattered(tf.keras.metrics.Metric):
         return tf.reduce_sum(self.state)
 
 
+class _Unaggregated(tf.keras.metrics.Metric):
+    """A row count kept in a ``tf.Variable`` (aggregation NONE unless given), written by ``how``."""
+
+    def __init__(self, how, **aggregation):
+        super().__init__(name="unaggregated")
+        self.how = how
+        self.count = tf.Variable(tf.zeros(2), trainable=False, name="count", **aggregation)
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        rows = tf.cast(tf.shape(y_true)[0], tf.float32)
+        writes = {"assign_add": lambda: self.count.assign_add([rows, 1.0]),
+                  "assign": lambda: self.count.assign(self.count + [rows, 1.0]),
+                  "assign_sub": lambda: self.count.assign_sub([rows, 1.0]),
+                  "scatter_add": lambda: self.count.scatter_add(tf.IndexedSlices([rows], [0]))}
+        writes[self.how]()
+
+    def result(self):
+        return self.count[0]
+
+
 def _trace_step(metrics, workers=2):
     model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(2, activation="sigmoid")])
     model.compile("sgd", "mse", metrics=metrics)
@@ -114,8 +136,27 @@ def test_a_scatter_of_a_state_saying_how_the_workers_combine_is_not_refused():
     assert "scattered" in _trace_step([_Scattered("scatter_update", tf.VariableAggregation.ONLY_FIRST_REPLICA)])
 
 
+@pytest.mark.parametrize("how, made", [("assign_add", "list"), ("assign", "AddV2"), ("assign_sub", "list"),
+                                       ("scatter_add", "IndexedSlices")])
+def test_any_write_of_a_state_without_an_aggregation_is_refused(how, made):
+    with pytest.raises(ValueError) as refused:
+        _trace_step([_Unaggregated(how)])
+    message = str(refused.value)
+    assert (f"Metric 'unaggregated' (_Unaggregated) writes its state 'count' in the training step ({how}), a "
+            "variable of aggregation NONE") in message
+    assert f"Received: count.{how}(<{made}>) of an aggregation=NONE state in a step of 2 workers." in message
+    assert "self.add_weight('count', ...)" in message and "aggregation=tf.VariableAggregation.SUM" in message
+
+
+@pytest.mark.parametrize("aggregation", [tf.VariableAggregation.SUM, tf.VariableAggregation.MEAN,
+                                         tf.VariableAggregation.ONLY_FIRST_REPLICA])
+def test_a_tf_variable_state_given_an_aggregation_is_not_refused(aggregation):
+    assert "unaggregated" in _trace_step([_Unaggregated("assign_add", aggregation=aggregation)])
+
+
 def test_one_worker_is_not_checked():
     assert "written" in _trace_step([_Written("maximum")], workers=1)
+    assert "unaggregated" in _trace_step([_Unaggregated("assign_add")], workers=1)
 
 
 def test_keras_metrics_are_not_refused():

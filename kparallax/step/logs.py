@@ -11,8 +11,9 @@ per class). An average of the workers' results is not, for any ratio (seen: a lo
 user's F1 metric 0.0012 off) nor for a count (half of it on 2 workers). That is also what TensorFlow's
 distribution strategies do: a metric's result is computed from its states aggregated over the replicas, each by its
 variable's aggregation (``SUM``; ``MEAN``: their mean; ``ONLY_FIRST_REPLICA``: worker 0's). A metric with a state
-of aggregation ``NONE`` (a ``tf.Variable`` made directly), and any other float scalar in the logs (a custom
-``train_step``'s), keeps the average of the workers' values instead.
+of aggregation ``NONE`` (a ``tf.Variable`` made directly) says nothing of how its states combine: a write of one in
+a training step of several workers is refused (``metric_states.py``); such a metric the step leaves alone, and any
+other float scalar in the logs (a custom ``train_step``'s), keeps the average of the workers' values.
 
 ``over_workers`` sends the states and the other values in ONE allreduce, ``collectives.sum_checked``, which also
 checks that every worker's optimizer is at the same step. In a step it depends on the forward pass only, so Horovod

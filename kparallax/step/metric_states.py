@@ -1,4 +1,5 @@
-"""Metric states a training step sets instead of adding to: refused while the step is traced.
+"""Metric states a training step sets instead of adding to, or that do not say how the workers' values combine:
+refused while the step is traced.
 
 ``logs.py`` logs a metric's result from its states summed over the workers (``add_weight``'s default aggregation,
 ``SUM``, which tf.distribute's strategies sum over replicas the same way). That is one process's state when the
@@ -14,8 +15,13 @@ metric whose result comes from its states (``logs.is_additive``) is refused unle
 write that sets entries (``scatter_update``, ``scatter_max``, ``scatter_mul``, their ``_nd`` forms,
 ``batch_scatter_update``: the classes seen so far, marked 1, would be 2 where both workers saw one), while
 ``scatter_add`` / ``scatter_sub`` (and ``_nd``) add and run. States that say how the workers' values combine
-(``MEAN``, ``ONLY_FIRST_REPLICA``) are the user's choice and are not checked, nor are metrics whose results are
-averaged (states made with ``tf.Variable``), nor raw ops.
+(``MEAN``, ``ONLY_FIRST_REPLICA``) are the user's choice and are not checked, nor are raw ops.
+
+A state of aggregation ``NONE`` (a ``tf.Variable`` made directly in a metric) says nothing of how the workers'
+values combine, so ``logs.py`` could only average the workers' results: a count or a total logged at 1/N of one
+process's (a row count 4 on 2 workers where one process counts 8; tf.distribute's ``MirroredStrategy`` logs the
+same 4), a ratio of unequal parts at no value one process holds. Any write of one in the step is refused, naming
+the fixes (``add_weight``, or an aggregation given to ``tf.Variable``).
 """
 
 import contextlib
@@ -23,56 +29,74 @@ import contextlib
 import tensorflow as tf
 
 from kparallax._compat import assign_hook
+from kparallax._compat import keras as keras_compat
 from kparallax.step import logs
 
 _PASSED = ("Identity", "Cast")
 _ADDS = ("AddV2", "Add", "Sub")
+_CHECKED = (tf.VariableAggregation.SUM, tf.VariableAggregation.NONE)
 _SCATTERS_ADDING = ("scatter_add", "scatter_sub", "scatter_nd_add", "scatter_nd_sub")
 _SEARCHED = 256  # ops looked at for a read of the state in the delta (beyond: taken to read it)
 
 
 @contextlib.contextmanager
 def checked(model, num_workers):
-    """While ``model``'s synchronous training step is traced with ``num_workers`` workers: an ``assign`` of a
-    ``SUM`` state of one of its metrics raises ``ValueError`` unless it adds to the state."""
+    """While ``model``'s synchronous training step is traced with ``num_workers`` workers: a write of a ``SUM``
+    state of one of its metrics that sets the state instead of adding to it, and any write of a metric's state of
+    aggregation ``NONE``, raise ``ValueError``."""
     if num_workers == 1:
         yield
         return
-    states, others = {}, set()
+    states, unaggregated, others = {}, {}, set()
 
     def refresh():
         for metric in model.metrics:
-            if logs.is_additive(metric):
-                for variable in metric.variables:
-                    if variable.aggregation == tf.VariableAggregation.SUM:
-                        states[variable.ref()] = metric
+            additive = logs.is_additive(metric)
+            for variable in metric.variables:
+                if variable.aggregation == tf.VariableAggregation.SUM and additive:
+                    states[variable.ref()] = metric
+                elif variable.aggregation == tf.VariableAggregation.NONE:
+                    unaggregated[variable.ref()] = metric
+        # The model's weights and its optimizer's slots (created so far) are none of these: not looked up again.
+        others.update(v.ref() for v in [*model.weights, *keras_compat.optimizer_variables(model.optimizer)]
+                      if v.ref() not in states and v.ref() not in unaggregated)
 
     def metric_of(variable):
-        """The metric whose summed state ``variable`` is, or None (looked up once per variable)."""
+        """The metric whose state ``variable`` is, or None (looked up once per variable)."""
         key = variable.ref()
-        if key not in states and key not in others:
+        if key not in states and key not in unaggregated and key not in others:
             refresh()
-            if key not in states:
+            if key not in states and key not in unaggregated:
                 others.add(key)
-        return states.get(key)
+        return states.get(key) or unaggregated.get(key)
 
     def check(variable, method, value):
-        if method != "assign" or variable.aggregation != tf.VariableAggregation.SUM or tf.executing_eagerly():
-            return value  # adds, or no summed state (weights and optimizer slots: aggregation NONE)
+        if tf.executing_eagerly() or variable.aggregation not in _CHECKED:
+            return value
+        if variable.aggregation == tf.VariableAggregation.SUM and method != "assign":
+            return value  # assign_add, assign_sub: adds
         metric = metric_of(variable)
-        if metric is not None and not _adds_to(variable, value):
-            raise _refusal(metric, variable, method, _passed(value).op.type if tf.is_tensor(value)
-                           else type(value).__name__, num_workers)
+        if metric is None:
+            return value
+        made = _passed(value).op.type if tf.is_tensor(value) else type(value).__name__
+        if variable.aggregation == tf.VariableAggregation.NONE:
+            raise _unaggregated(metric, variable, method, made, num_workers)
+        if not _adds_to(variable, value):
+            raise _refusal(metric, variable, method, made, num_workers)
         return value
 
     def check_scatter(variable, method):
-        if (method in _SCATTERS_ADDING or variable.aggregation != tf.VariableAggregation.SUM
-                or tf.executing_eagerly()):
+        if tf.executing_eagerly() or variable.aggregation not in _CHECKED:
+            return
+        if variable.aggregation == tf.VariableAggregation.SUM and method in _SCATTERS_ADDING:
             return
         metric = metric_of(variable)
-        if metric is not None:
-            raise _refusal(metric, variable, method, "indices, updates" if "_nd_" in method else "IndexedSlices",
-                           num_workers)
+        if metric is None:
+            return
+        made = "indices, updates" if "_nd_" in method else "IndexedSlices"
+        if variable.aggregation == tf.VariableAggregation.NONE:
+            raise _unaggregated(metric, variable, method, made, num_workers)
+        raise _refusal(metric, variable, method, made, num_workers)
 
     with assign_hook.combining(check), assign_hook.checking_scatters(check_scatter):
         yield
@@ -127,7 +151,22 @@ def _refusal(metric, variable, method, made, num_workers):
         "default aggregation, SUM, as tf.distribute's strategies sum them): the sum of the workers' values so set "
         "is no value one process holds after the global batch, and callbacks watching the metric would act on it, "
         f"silently. Received: {state}.{method}(<{made}>) in a step of {num_workers} workers. Add to the state "
-        f"(self.{state}.assign_add(...), assign({state} + delta), or scatter_add); or say how the workers' values combine: "
-        "add_weight(..., aggregation=tf.VariableAggregation.MEAN) averages them (a value each worker computes "
+        f"(self.{state}.assign_add(...), assign({state} + delta), or scatter_add); or say how the workers' values "
+        "combine: add_weight(..., aggregation=tf.VariableAggregation.MEAN) averages them (a value each worker computes "
         "alike from its batch), ONLY_FIRST_REPLICA takes worker 0's (a value of the global batch, such as a "
         "maximum over all rows, computed from kp.all_gather(values) on every worker).")
+
+
+def _unaggregated(metric, variable, method, made, num_workers):
+    state = variable.name.split("/")[-1].split(":")[0]
+    return ValueError(
+        f"Metric {metric.name!r} ({type(metric).__name__}) writes its state {state!r} in the training step "
+        f"({method}), a variable of aggregation NONE (made with tf.Variable, or add_weight(aggregation=NONE)), "
+        "which does not say how the workers' values combine: its logged result would be the average of the "
+        f"workers' results, 1/{num_workers} of one process's for a count or a total (a row count logged as 4 on 2 "
+        "workers where one process counts 8) and no value one process holds for a ratio of unequal parts, "
+        f"silently. Received: {state}.{method}(<{made}>) of an aggregation=NONE state in a step of {num_workers} "
+        f"workers. Make the state with self.add_weight({state!r}, ...) (aggregation SUM: the workers' values "
+        "summed, one process's for a count or a total), or give it an aggregation: tf.Variable(..., "
+        "aggregation=tf.VariableAggregation.SUM), MEAN (averaged: a value each worker computes alike from its "
+        "batch) or ONLY_FIRST_REPLICA (worker 0's: a count of steps).")

@@ -250,11 +250,13 @@ if mode == "manual_update":
         else:
             sys.exit("weights updated by hand from each worker's gradient trained silently")
 if mode == "metric_set_state":
-    # A metric of the user's keeping the largest target seen in the epoch, tf.maximum(state, max(y)), in a state of
-    # add_weight's default aggregation (SUM): logged from the workers' states summed, 6 + 7 = 13 where one process
-    # holds 7 (worker 0's rows 0, 2, 4, 6; worker 1's 1, 3, 5, 7). Then the classes seen (target // 4), marked 1 by
-    # scatter_update: summed, 4 where one process holds 2 (each worker sees both classes). Then the fix the refusal gives: the maximum of kp.all_gather's
-    # rows, taken from worker 0 (ONLY_FIRST_REPLICA).
+    # Metrics of the user's whose logged result would be no value one process holds, each refused: the largest
+    # target seen in the epoch, tf.maximum(state, max(y)), in a state of add_weight's default aggregation (SUM),
+    # logged from the workers' states summed, 6 + 7 = 13 where one process holds 7 (worker 0's rows 0, 2, 4, 6;
+    # worker 1's 1, 3, 5, 7); the classes seen (target // 4) marked 1 by scatter_update: summed, 4 where one process
+    # holds 2 (each worker sees both classes); a row count in a tf.Variable (aggregation NONE): averaged, 4 where
+    # one process counts 8. Then the fixes the refusals give: the maximum of kp.all_gather's rows, taken from worker
+    # 0 (ONLY_FIRST_REPLICA), and the row count's tf.Variable given aggregation=SUM: one process's 7 and 8.
     import numpy as np  # pylint: disable=import-outside-toplevel
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
 
@@ -287,25 +289,41 @@ if mode == "metric_set_state":
         def reset_state(self):
             self.seen.assign(tf.zeros(2))
 
+    class RowCount(tf.keras.metrics.Metric):
+        def __init__(self, **aggregation):
+            super().__init__(name="row_count")
+            self.count = tf.Variable(0.0, trainable=False, name="count", **aggregation)
+
+        def update_state(self, y_true, y_pred, sample_weight=None):
+            self.count.assign_add(tf.cast(tf.shape(y_true)[0], tf.float32))
+
+        def result(self):
+            return self.count
+
+        def reset_state(self):
+            self.count.assign(0.0)
+
     x, y = np.ones((8, 1), np.float32), np.arange(8, dtype=np.float32)[:, None]
-    for gathered in (False, "scatter", True):
+    cases = [("largest_target", False, lambda: LargestTarget()), ("classes_seen", False, ClassesSeen),
+             ("row_count", False, RowCount), ("largest_target", True, lambda: LargestTarget(gathered=True)),
+             ("row_count", True, lambda: RowCount(aggregation=tf.VariableAggregation.SUM))]
+    for name, fixed, make in cases:
         with strategy.scope():
             model = tf.keras.Sequential([tf.keras.Input((1,)), tf.keras.layers.Dense(1, name="out",
                                                                                       kernel_initializer="ones")])
-            model.compile(optimizer="sgd", loss="mse",
-                          metrics=[ClassesSeen() if gathered == "scatter" else LargestTarget(gathered)])
+            model.compile(optimizer="sgd", loss="mse", metrics=[make()])
             before = model.get_weights()
             try:
                 history = model.fit(x, y, batch_size=2, shuffle=False, verbose=0)
             except ValueError as e:
                 unchanged = all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
                 print(f"refused (weights unchanged: {unchanged}): {e}", flush=True)
-                if gathered is True:
-                    sys.exit("the metric of kp.all_gather's rows was refused")
+                if fixed:
+                    sys.exit(f"the fixed {name} was refused")
             else:
-                if gathered is not True:
-                    sys.exit("a metric state set from each worker's rows was logged silently")
-                print(f"gathered: logged largest_target {history.history['largest_target']}", flush=True)
+                if not fixed:
+                    sys.exit(f"{name}, no value one process holds, was logged silently: {history.history[name]}")
+                print(f"fixed: logged {name} {history.history[name]}", flush=True)
 if mode == "ps_write_unseen":
     # A callback shrinking the table after every batch through a function of the user's defined elsewhere: its hook's
     # code names no write, so fit's workers do not meet after it, and worker 1's next step could read the table
