@@ -58,8 +58,9 @@ def checked(model, num_workers):
                 elif variable.aggregation == tf.VariableAggregation.NONE:
                     unaggregated[variable.ref()] = metric
         # The model's weights and its optimizer's slots (created so far) are none of these: not looked up again.
+        # (A lookup layer's vocabulary handler among the weights is no variable.)
         others.update(v.ref() for v in [*model.weights, *keras_compat.optimizer_variables(model.optimizer)]
-                      if v.ref() not in states and v.ref() not in unaggregated)
+                      if isinstance(v, tf.Variable) and v.ref() not in states and v.ref() not in unaggregated)
 
     def metric_of(variable):
         """The metric whose state ``variable`` is, or None (looked up once per variable)."""
