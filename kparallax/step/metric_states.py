@@ -47,57 +47,52 @@ def checked(model, num_workers):
     if num_workers == 1:
         yield
         return
-    states, unaggregated, others = {}, {}, set()
+    states, others = {}, set()  # states: a metric's SUM state (of an additive metric) or NONE state -> the metric
 
     def refresh():
         for metric in model.metrics:
             additive = logs.is_additive(metric)
             for variable in metric.variables:
-                if variable.aggregation == tf.VariableAggregation.SUM and additive:
+                if variable.aggregation == tf.VariableAggregation.NONE or (
+                        variable.aggregation == tf.VariableAggregation.SUM and additive):
                     states[variable.ref()] = metric
-                elif variable.aggregation == tf.VariableAggregation.NONE:
-                    unaggregated[variable.ref()] = metric
         # The model's weights and its optimizer's slots (created so far) are none of these: not looked up again.
         # (A lookup layer's vocabulary handler among the weights is no variable.)
         others.update(v.ref() for v in [*model.weights, *keras_compat.optimizer_variables(model.optimizer)]
-                      if isinstance(v, tf.Variable) and v.ref() not in states and v.ref() not in unaggregated)
+                      if isinstance(v, tf.Variable) and v.ref() not in states)
 
-    def metric_of(variable):
-        """The metric whose state ``variable`` is, or None (looked up once per variable)."""
+    def refuse(variable, method, made, sets):
+        """Raises for a write of a metric's NONE state, or of its SUM state when ``sets()``; ``made()``: what the
+        write writes, for the message. Each variable is looked up once."""
         key = variable.ref()
-        if key not in states and key not in unaggregated and key not in others:
+        if key not in states and key not in others:
             refresh()
-            if key not in states and key not in unaggregated:
+            if key not in states:
                 others.add(key)
-        return states.get(key) or unaggregated.get(key)
+        metric = states.get(key)
+        if metric is None:
+            return
+        if variable.aggregation == tf.VariableAggregation.NONE:
+            raise _unaggregated(metric, variable, method, made(), num_workers)
+        if sets():
+            raise _refusal(metric, variable, method, made(), num_workers)
 
     def check(variable, method, value):
         if tf.executing_eagerly() or variable.aggregation not in _CHECKED:
             return value
-        if variable.aggregation == tf.VariableAggregation.SUM and method != "assign":
-            return value  # assign_add, assign_sub: adds
-        metric = metric_of(variable)
-        if metric is None:
-            return value
-        made = _passed(value).op.type if tf.is_tensor(value) else type(value).__name__
-        if variable.aggregation == tf.VariableAggregation.NONE:
-            raise _unaggregated(metric, variable, method, made, num_workers)
-        if not _adds_to(variable, value):
-            raise _refusal(metric, variable, method, made, num_workers)
+        # A SUM state's assign_add or assign_sub adds; its assign may not.
+        if variable.aggregation == tf.VariableAggregation.NONE or method == "assign":
+            refuse(variable, method,
+                   lambda: _passed(value).op.type if tf.is_tensor(value) else type(value).__name__,
+                   lambda: not _adds_to(variable, value))
         return value
 
     def check_scatter(variable, method):
         if tf.executing_eagerly() or variable.aggregation not in _CHECKED:
             return
-        if variable.aggregation == tf.VariableAggregation.SUM and method in _SCATTERS_ADDING:
-            return
-        metric = metric_of(variable)
-        if metric is None:
-            return
-        made = "indices, updates" if "_nd_" in method else "IndexedSlices"
-        if variable.aggregation == tf.VariableAggregation.NONE:
-            raise _unaggregated(metric, variable, method, made, num_workers)
-        raise _refusal(metric, variable, method, made, num_workers)
+        if variable.aggregation == tf.VariableAggregation.NONE or method not in _SCATTERS_ADDING:
+            refuse(variable, method, lambda: "indices, updates" if "_nd_" in method else "IndexedSlices",
+                   lambda: True)
 
     with assign_hook.combining(check), assign_hook.checking_scatters(check_scatter):
         yield
@@ -144,8 +139,12 @@ def _reads(tensor, handle):
     return False
 
 
+def _state_name(variable):
+    return variable.name.split("/")[-1].split(":")[0]
+
+
 def _refusal(metric, variable, method, made, num_workers):
-    state = variable.name.split("/")[-1].split(":")[0]
+    state = _state_name(variable)
     return ValueError(
         f"Metric {metric.name!r} ({type(metric).__name__}) sets its state {state!r} in the training step "
         f"({method}), while kparallax logs a metric's result from its states summed over the workers (add_weight's "
@@ -159,7 +158,7 @@ def _refusal(metric, variable, method, made, num_workers):
 
 
 def _unaggregated(metric, variable, method, made, num_workers):
-    state = variable.name.split("/")[-1].split(":")[0]
+    state = _state_name(variable)
     return ValueError(
         f"Metric {metric.name!r} ({type(metric).__name__}) writes its state {state!r} in the training step "
         f"({method}), a variable of aggregation NONE (made with tf.Variable, or add_weight(aggregation=NONE)), "
