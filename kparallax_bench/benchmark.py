@@ -45,9 +45,9 @@ import tempfile
 import threading
 import time
 
-import portpicker
 
 from kparallax.cluster import coordinator as rendezvous
+from kparallax.cluster import net
 from kparallax_bench import cpu
 from kparallax_bench import netem
 from kparallax_bench import outputs
@@ -190,13 +190,13 @@ def plan(variant, workers, args, hosts, out, tmp):
                      "--log_dir", f"{logs}/host{i}"] + common + ["--"] + bench, {}, True) for i in range(machines)]
     if variant.startswith("horovod"):  # plain Horovod workers; Horovod's own Gloo rendezvous (served by the driver)
         slots = rendezvous.slot_plan_for_hosts([hosts.address(hosts.worker_host(rank)) for rank in range(workers)])
-        port = portpicker.pick_unused_port()
+        port = net.free_port()
         hosts.serve(rendezvous.Coordinator(hosts.gateway, port, slots))
         return [(hosts.worker_host(rank), bench, rendezvous.horovod_env(slot, hosts.gateway, port,
                                                                        hosts.interface(hosts.worker_host(rank))), True)
                 for rank, slot in enumerate(slots)]
     # tf-pss: TensorFlow servers for the workers and PS tasks, and a chief (coordinator) process running Model.fit.
-    ports = iter(portpicker.pick_unused_port() for _ in range(1 + workers + num_ps))
+    ports = iter(net.free_port() for _ in range(1 + workers + num_ps))
     cluster = {"chief": [f"{hosts.address(0)}:{next(ports)}"],
                "worker": [f"{hosts.address(hosts.worker_host(i))}:{next(ports)}" for i in range(workers)],
                "ps": [f"{hosts.address(hosts.ps_host(i))}:{next(ports)}" for i in range(num_ps)]}

@@ -79,16 +79,16 @@ def test_launcher_rejects_bad_cluster_files_and_mismatched_counts(tmp_path):
 
 def test_a_port_already_in_use_is_named_before_anything_starts(tmp_path):
     import socket  # pylint: disable=import-outside-toplevel
-    import portpicker  # pylint: disable=import-outside-toplevel
-    port = portpicker.pick_unused_port()
+    from kparallax.cluster import net  # pylint: disable=import-outside-toplevel
+    port = net.free_port()
     holder = socket.socket()
     holder.bind(("127.0.0.1", port))
     holder.listen()
     try:
         cluster = tmp_path / "c.yaml"
-        cluster.write_text(f"rendezvous_port: {portpicker.pick_unused_port()}\n"
+        cluster.write_text(f"rendezvous_port: {net.free_port()}\n"
                            f"hosts:\n  - {{host: 127.0.0.1, workers: 1, ps: 1, ps_port: {port}, "
-                           f"worker_port: {portpicker.pick_unused_port()}}}\n")
+                           f"worker_port: {net.free_port()}}}\n")
         done = _launch("--cluster", str(cluster), "--host-index", "0", "--log_dir", str(tmp_path / "logs"), "--", "true")
     finally:
         holder.close()
@@ -100,9 +100,9 @@ def test_a_launcher_reads_every_hosts_status_in_one_request():
     """Before: one request per host and poll, from every launcher (~130 a second at host 0 with 8 hosts, growing
     with the square of the hosts); a status key ``..._host_1`` must not be read as host 10's or the reverse."""
     import types  # pylint: disable=import-outside-toplevel
-    import portpicker  # pylint: disable=import-outside-toplevel
+    from kparallax.cluster import net  # pylint: disable=import-outside-toplevel
     from kparallax.launch import multihost  # pylint: disable=import-outside-toplevel
-    server = rendezvous.Coordinator("127.0.0.1", portpicker.pick_unused_port(),
+    server = rendezvous.Coordinator("127.0.0.1", net.free_port(),
                                     rendezvous.slot_plan([("127.0.0.1", 1)]))
     try:
         for key, value in [("a0_host_1", "running"), ("a0_host_10", "done"), ("a1_host_1", "done")]:

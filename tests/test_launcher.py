@@ -8,10 +8,10 @@ import subprocess
 import sys
 import time
 
-import portpicker
 import pytest
 
 from kparallax import testing
+from kparallax.cluster import net
 from kparallax.cluster import spec as spec_lib
 from kparallax.launch import tasks as tasks_lib
 
@@ -154,7 +154,7 @@ def test_two_workers_with_the_same_index(tmp_path):
 
 @pytest.mark.multiprocess
 def test_unreachable_ps_fails_within_30s_naming_the_address():
-    port = portpicker.pick_unused_port()  # nothing listens there
+    port = net.free_port()  # nothing listens there
     env = dict(os.environ, KPARALLAX_PS_HOSTS=f"127.0.0.1:{port}", KPARALLAX_WORKER_HOSTS="127.0.0.1:1",
                KPARALLAX_TASK_INDEX="0")
     start = time.monotonic()
@@ -282,7 +282,7 @@ def test_a_cluster_file_of_this_host_only_starts_it_without_ssh(tmp_path):
     (fake / "ssh").write_text("#!/bin/sh\necho 'ssh was called' >&2\nexit 255\n")
     (fake / "ssh").chmod(0o755)
     cluster = tmp_path / "c.yaml"
-    cluster.write_text(f"rendezvous_port: {portpicker.pick_unused_port()}\n"
+    cluster.write_text(f"rendezvous_port: {net.free_port()}\n"
                        "hosts:\n  - {host: 127.0.0.1, workers: 2, ps: 1}\n")
     done = subprocess.run([sys.executable, "-m", "kparallax.launch", "--cluster", str(cluster), "--log_dir",
                            str(tmp_path / "logs"), "--timeout", "120", "--", sys.executable,

@@ -9,10 +9,10 @@ import sys
 import time
 
 import numpy as np
-import portpicker
 import pytest
 
 from kparallax import testing
+from kparallax.cluster import net
 
 from netns import ADDRESSES, NetnsPair
 
@@ -226,7 +226,7 @@ def test_max_restarts_across_two_hosts_resumes_to_the_unbroken_run(hosts, tmp_pa
 @pytest.mark.multiprocess
 def test_tf_config_job_without_launcher(reference, tmp_path):
     """Kubernetes TFJob style: a chief, a worker and a ps, each started with its own TF_CONFIG."""
-    ps, chief, worker = (f"127.0.0.1:{portpicker.pick_unused_port()}" for _ in range(3))
+    ps, chief, worker = (f"127.0.0.1:{net.free_port()}" for _ in range(3))
     spec = {"ps": [ps], "chief": [chief], "worker": [worker]}
     out = tmp_path / "out"
     out.mkdir()

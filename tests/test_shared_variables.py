@@ -4,15 +4,16 @@ import os
 import subprocess
 import sys
 
-import portpicker
 import pytest
+
+from kparallax.cluster import net
 
 PROGRAMS = os.path.join(os.path.dirname(__file__), "programs")
 
 
 @pytest.fixture(scope="module")
 def ps_address():
-    address = f"127.0.0.1:{portpicker.pick_unused_port()}"
+    address = f"127.0.0.1:{net.free_port()}"
     env = dict(os.environ, KPARALLAX_PS_HOSTS=address, KPARALLAX_WORKER_HOSTS="127.0.0.1:1",
                KPARALLAX_TASK_TYPE="ps", KPARALLAX_TASK_INDEX="0")
     server = subprocess.Popen([sys.executable, "-m", "kparallax.cluster.ps_server"], env=env, stdout=subprocess.PIPE,

@@ -3,7 +3,7 @@
 class of Keras' ``add_weight`` variables and of ``tf.Variable``), hooked once, process-wide, so that a step being
 traced can change the value an assignment uses (``combining``: the three ``assign`` methods), so that a scatter
 write can be checked while a step is traced (``checking_scatters``), and so that a write can be checked, refused or
-left out (``guarded``: every write method).
+left out, or followed by the guard's own action (``guarded``: every write method).
 
 Outside ``combining`` and ``guarded`` (and for the variables their functions leave alone) every write is
 TensorFlow's own; the hook costs a thread-local lookup and a global read per call. Writes made by ops alone
@@ -33,18 +33,27 @@ def _skipped(variable, kwargs):
     return tf.no_op()
 
 
-def _allowed(variable, method):
+def _verdict(variable, method):
+    """The guard's answer for this write: False (leave it out), True (make it), or a function to call once it is
+    made."""
     guard = _GUARD[0]
-    return guard is None or guard(variable, method)
+    return True if guard is None else guard(variable, method)
+
+
+def _made(verdict, result):
+    if callable(verdict):
+        verdict()
+    return result
 
 
 def _hooked_scatter(method, original):
     def scatter(self, *args, **kwargs):
-        if not _allowed(self, method):
+        verdict = _verdict(self, method)
+        if not verdict:
             return _skipped(self, kwargs)
         for check in getattr(_ACTIVE, "scatter_checks", ()):
             check(self, method)
-        return original(self, *args, **kwargs)
+        return _made(verdict, original(self, *args, **kwargs))
 
     scatter.__name__, scatter.__doc__ = original.__name__, original.__doc__
     return scatter
@@ -52,7 +61,8 @@ def _hooked_scatter(method, original):
 
 def _hooked(method, original):
     def assign(self, value, *args, **kwargs):
-        if not _allowed(self, method):
+        verdict = _verdict(self, method)
+        if not verdict:
             return _skipped(self, kwargs)
         combine = getattr(_ACTIVE, "combine", None)
         if combine is not None:
@@ -61,7 +71,7 @@ def _hooked(method, original):
                 value = combine(self, method, value)
             finally:
                 _ACTIVE.combine = combine
-        return original(self, value, *args, **kwargs)
+        return _made(verdict, original(self, value, *args, **kwargs))
 
     assign.__name__, assign.__doc__ = original.__name__, original.__doc__
     return assign
@@ -111,7 +121,8 @@ def checking_scatters(check):
 
 def guarded(guard):
     """From now on, process-wide (every thread), each write of a resource variable first calls
-    ``guard(variable, method)``: it raises to refuse the write, returns False to leave it out, True to make it.
+    ``guard(variable, method)``: it raises to refuse the write, returns False to leave it out, True to make it, or
+    a function of no arguments to make it and then call that function (e.g. to wait until it has landed).
     ``guard=None`` removes it."""
     _install()
     _GUARD[0] = guard

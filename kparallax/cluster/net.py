@@ -1,7 +1,11 @@
-"""Network probes shared by the launcher and the workers (no TensorFlow, no Horovod)."""
+"""Network probes and free ports shared by the launcher and the workers (no TensorFlow, no Horovod)."""
 
+import random
 import socket
 import time
+
+_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+_PICKED = set()  # ports this process handed out: each once
 
 
 def probe(address, timeout):
@@ -75,3 +79,41 @@ def interface_of(address):
     except OSError:
         return None
     return None
+
+
+def _ephemeral_range():
+    """The ports the kernel gives outgoing connections (Linux: 32768-60999 by default)."""
+    try:
+        with open(_EPHEMERAL_RANGE, encoding="ascii") as f:
+            low, high = (int(part) for part in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port():
+    """A TCP port no socket on this host holds now, outside the kernel's ephemeral range.
+
+    A server's port chosen by binding port 0 (``portpicker``) lies in the ephemeral range, where any outgoing
+    connection of any process (a worker reaching a PS task) may take it as its source port before the server binds
+    it: a worker once failed to start its TensorFlow server, "Address already in use", in CI. Ports below the range
+    are taken only by servers binding them.
+
+    Raises:
+      RuntimeError: no free port was found in 200 tries.
+    """
+    low, high = _ephemeral_range()
+    pool = (15000, low - 1) if low - 15000 >= 2000 else (high + 1, 65535)
+    for _ in range(200):
+        port = random.randint(*pool)
+        if port in _PICKED:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+        _PICKED.add(port)
+        return port
+    raise RuntimeError(f"No free TCP port found in {pool[0]}-{pool[1]} after 200 tries. "
+                       f"Received: ephemeral port range {low}-{high} ({_EPHEMERAL_RANGE}).")

@@ -8,7 +8,6 @@ coordinator (Horovod's rendezvous) at its own address and the others join it.
 import os
 
 import horovod.tensorflow as hvd
-import portpicker
 from kparallax import log as logging
 
 from kparallax._compat import connect as connect_compat
@@ -25,7 +24,7 @@ def _own_address(cluster, port_taken=False):
     address = cluster.workers[cluster.task_index]
     host, port = address.rsplit(":", 1)
     if port == "0" or port_taken:
-        address = f"{'localhost' if port == '0' else host}:{portpicker.pick_unused_port()}"
+        address = f"{'localhost' if port == '0' else host}:{net.free_port()}"
     return address
 
 

@@ -12,9 +12,8 @@ import sys
 import time
 import uuid
 
-import portpicker
-
 from kparallax.cluster import coordinator as coordinator_lib
+from kparallax.cluster import net
 from kparallax.cluster import spec as spec_lib
 from kparallax.launch import env as env_lib
 from kparallax.launch import tasks as tasks_lib
@@ -58,8 +57,8 @@ def keep_logs(log_dir, attempt, names=None):
 
 def _run_once(args, run_id, log_dir, attempt):
     """Starts the PS tasks and workers, supervises them, stops them all; returns the failure or None."""
-    ps_hosts = [f"127.0.0.1:{portpicker.pick_unused_port()}" for _ in range(args.ps)]
-    worker_hosts = [f"127.0.0.1:{portpicker.pick_unused_port()}" for _ in range(args.workers)]
+    ps_hosts = [f"127.0.0.1:{net.free_port()}" for _ in range(args.ps)]
+    worker_hosts = [f"127.0.0.1:{net.free_port()}" for _ in range(args.workers)]
     cluster = spec_lib.Cluster(ps=ps_hosts, workers=worker_hosts, run_id=run_id,
                                connect_lock=os.path.join(log_dir, "connect.lock"))
     env_lib.write_cluster_json(log_dir, cluster)
@@ -74,7 +73,7 @@ def _run_once(args, run_id, log_dir, attempt):
         failure = tasks_lib.start_ps(range(args.ps), ps_hosts, base_env, log_dir, tasks)
         if failure is None:
             slots = coordinator_lib.slot_plan([("localhost", args.workers)])
-            port = portpicker.pick_unused_port()
+            port = net.free_port()
             coordinator = coordinator_lib.Coordinator("127.0.0.1", port, slots)
             for slot in slots:
                 env = dict(base_env, **coordinator_lib.horovod_env(slot, "127.0.0.1", port, "lo"))

@@ -3,14 +3,14 @@
 import sys
 
 import numpy as np
-import portpicker
 import tensorflow as tf
 
 from kparallax import Cluster
+from kparallax.cluster import net
 from kparallax.core.shared_variables import SharedVariableStore
 
 ps, role, index = sys.argv[1], sys.argv[2], int(sys.argv[3])
-cluster = Cluster(ps=[ps], workers=[f"localhost:{portpicker.pick_unused_port()}" for _ in range(3)],
+cluster = Cluster(ps=[ps], workers=[f"localhost:{net.free_port()}" for _ in range(3)],
                   task_index=index, run_id="sharedtest")
 tf.config.experimental_connect_to_cluster(
     tf.train.ClusterSpec({"ps": [ps], "worker": {index: cluster.workers[index]}}), job_name="worker", task_index=index)
