@@ -109,6 +109,7 @@ def whole_state(strategy, model, clones, restore=False):
             with plain_variables():
                 load_back()
             _write_tables(strategy, wholes)
+            tf_compat.async_wait()  # the writes land before the next step reads them (remote eager ops are dispatched)
 
 
 def _write_tables(strategy, wholes):

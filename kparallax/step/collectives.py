@@ -16,6 +16,7 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from kparallax._compat import horovod as hvd_compat
+from kparallax._compat import tf as tf_compat
 
 _COMPRESSION = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
 
@@ -278,6 +279,8 @@ def broadcast_variables(variables, name):
 
 
 def eager_barrier(num_workers, name):
-    """Blocks until every worker reached this point (eager)."""
+    """Blocks until every worker reached this point (eager), each worker's remote eager ops landed first (TF 2.15
+    only dispatches them: a PS write worker 0 made before the barrier could otherwise land after it)."""
+    tf_compat.async_wait()
     if num_workers > 1:
         hvd.allreduce(tf.constant(1.0), op=hvd.Sum, name=name).numpy()
