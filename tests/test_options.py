@@ -1,3 +1,6 @@
+import subprocess
+import sys
+
 import pytest
 
 from kparallax.core import options as options_lib
@@ -61,3 +64,17 @@ def test_job_on_one_host_decides_auto_local_aggregation():
     assert runtime.job_on_one_host(Cluster(ps=["localhost:2222"], workers=["127.0.0.1:2300", "localhost:2301"]))
     assert not runtime.job_on_one_host(Cluster(ps=["10.0.0.2:2222"], workers=["10.0.0.1:2300", "10.0.0.1:2301"]))
     assert not runtime.job_on_one_host(Cluster(ps=["10.0.0.1:2222"], workers=["10.0.0.1:2300", "10.0.0.2:2300"]))
+
+
+def test_free_ports_lie_below_the_ephemeral_range_whatever_the_programs_seed():
+    """A port an outgoing connection may take (the kernel's ephemeral range) is never handed out: a worker once could
+    not bind one in CI. Two processes that seeded Python's ``random`` alike (``tf.keras.utils.set_random_seed``)
+    still pick apart: a TF_CONFIG worker picks its own server's port after the program's seeding."""
+    from kparallax.cluster import net  # pylint: disable=import-outside-toplevel
+    low, _ = net._ephemeral_range()  # pylint: disable=protected-access
+    ports = [net.free_port() for _ in range(50)]
+    assert len(set(ports)) == 50 and all(15000 <= port < low for port in ports), ports
+    code = "import random; random.seed(0); from kparallax.cluster import net; print(net.free_port())"
+    picked = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             timeout=60).stdout.strip() for _ in range(2)]
+    assert picked[0] != picked[1], picked

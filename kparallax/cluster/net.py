@@ -6,6 +6,9 @@ import time
 
 _EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 _PICKED = set()  # ports this process handed out: each once
+# Not the ``random`` module's shared state: a program seeding it (``tf.keras.utils.set_random_seed``) would make every
+# worker on a host pick the same ports.
+_RANDOM = random.SystemRandom()
 
 
 def probe(address, timeout):
@@ -105,7 +108,7 @@ def free_port():
     low, high = _ephemeral_range()
     pool = (15000, low - 1) if low - 15000 >= 2000 else (high + 1, 65535)
     for _ in range(200):
-        port = random.randint(*pool)
+        port = _RANDOM.randint(*pool)
         if port in _PICKED:
             continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
