@@ -95,7 +95,9 @@ def whole_state(strategy, model, clones, restore=False):
     them), so Keras' savers write, and its loaders read, what one process would.
 
     ``restore=True``: on a normal exit, what a loader put there goes back: the optimizer state into the optimizer
-    Keras trains with and (worker 0) the PS-side clones, the tables (worker 0) into their shards.
+    Keras trains with and (worker 0) the PS-side clones, the tables (worker 0) into their shards. Those remote eager
+    writes are only dispatched: the caller waits for them (``load_weights``' ``async_wait``, or an
+    ``eager_barrier``) before any step may read them.
     """
     with whole_tables(strategy, model) as wholes:
         trained = model.optimizer
@@ -109,7 +111,6 @@ def whole_state(strategy, model, clones, restore=False):
             with plain_variables():
                 load_back()
             _write_tables(strategy, wholes)
-            tf_compat.async_wait()  # the writes land before the next step reads them (remote eager ops are dispatched)
 
 
 def _write_tables(strategy, wholes):
