@@ -6,6 +6,13 @@ import time
 import numpy as np
 import tensorflow as tf
 
+from kparallax._compat import keras as keras_compat
+
+
+
+def _step(model):
+    """The optimizer steps ``model`` has trained (of a compiled list of optimizers, the last one's)."""
+    return int(keras_compat.step_optimizer(model).iterations.numpy())
 
 
 class Throughput(tf.keras.callbacks.Callback):
@@ -79,10 +86,10 @@ class StepLogger(tf.keras.callbacks.Callback):
         self._mark = None  # (time, optimizer step) of the last report
 
     def on_train_begin(self, logs=None):
-        self._mark = (time.perf_counter(), int(self.model.optimizer.iterations.numpy()))
+        self._mark = (time.perf_counter(), _step(self.model))
 
     def on_train_batch_end(self, batch, logs=None):
-        step = int(self.model.optimizer.iterations.numpy())  # so that a resumed run numbers its steps as before
+        step = _step(self.model)  # so that a resumed run numbers its steps as before
         if step // self._every == self._mark[1] // self._every or logs is None:
             return
         now = time.perf_counter()
@@ -106,8 +113,15 @@ class LearningRateWarmup(tf.keras.callbacks.Callback):
                              f"warmup_steps={warmup_steps}.")
         self._target, self._steps = float(target), int(warmup_steps)
 
+    def on_train_begin(self, logs=None):
+        if keras_compat.optimizer_list(self.model.optimizer) is not None:
+            raise ValueError(
+                "LearningRateWarmup warms up one optimizer, but the model was compiled with a list of them. Received: "
+                f"optimizer={[type(o).__name__ for o in self.model.optimizer]}. Give each optimizer a "
+                "tf.keras.optimizers.schedules.LearningRateSchedule of its own, or compile with one optimizer.")
+
     def on_train_batch_begin(self, batch, logs=None):
-        step = int(self.model.optimizer.iterations.numpy())
+        step = _step(self.model)
         if step <= self._steps:
             self.model.optimizer.learning_rate.assign(self._target * min(1.0, (step + 1) / self._steps))
 
@@ -135,10 +149,10 @@ class TensorBoardScalars(tf.keras.callbacks.Callback):
         if self._chief and self._writer is None:
             self._writer = tf.summary.create_file_writer(self._log_dir)
         dense, sparse = sent_bytes(self.model)
-        self._last = (int(self.model.optimizer.iterations.numpy()), dense, sparse)
+        self._last = (_step(self.model), dense, sparse)
 
     def on_train_batch_end(self, batch, logs=None):
-        step = int(self.model.optimizer.iterations.numpy())  # a resumed run continues the same curves
+        step = _step(self.model)  # a resumed run continues the same curves
         if not self._chief or step // self._every == self._last[0] // self._every:
             return
         dense, sparse = sent_bytes(self.model)
@@ -147,7 +161,11 @@ class TensorBoardScalars(tf.keras.callbacks.Callback):
             for key, value in (logs or {}).items():
                 if isinstance(value, (int, float, np.number)):
                     tf.summary.scalar(key, float(value))
-            tf.summary.scalar("learning_rate", _learning_rate(self.model.optimizer))
+            listed = keras_compat.optimizer_list(self.model.optimizer)
+            if listed is None:
+                tf.summary.scalar("learning_rate", _learning_rate(self.model.optimizer))
+            for index, optimizer in enumerate(listed or []):  # compile(optimizer=[...]): each one's
+                tf.summary.scalar(f"learning_rate/{index}", _learning_rate(optimizer))
             tf.summary.scalar("bytes_per_step/dense", (dense - self._last[1]) / steps)
             tf.summary.scalar("bytes_per_step/sparse", (sparse - self._last[2]) / steps)
         self._last = (step, dense, sparse)
@@ -190,7 +208,7 @@ class Checkpoint(tf.keras.callbacks.Callback):
         """Called on every worker at the same steps: the metric states are gathered from all of them."""
         from kparallax import checkpoint  # pylint: disable=import-outside-toplevel
         from kparallax.core import resume  # pylint: disable=import-outside-toplevel
-        step = int(self.model.optimizer.iterations.numpy())
+        step = _step(self.model)
         if step != self._last:
             metric_states = resume.gather_metric_states(self._strategy, self.model)
             if self._strategy.is_chief:
@@ -203,14 +221,14 @@ class Checkpoint(tf.keras.callbacks.Callback):
         loss = (logs or {}).get("loss")
         if loss is not None and not np.isfinite(loss):
             # The loss is averaged over workers, so every worker stops at this same step.
-            self.bad_loss_step = int(self.model.optimizer.iterations.numpy())
+            self.bad_loss_step = _step(self.model)
             self.model.stop_training = True
             if self._strategy.is_chief:
                 from kparallax import checkpoint  # pylint: disable=import-outside-toplevel
                 print(f"loss is {loss} at step {self.bad_loss_step}: training stopped; the last good checkpoint "
                       f"is kept: {checkpoint.latest(self._directory)}", flush=True)
             return
-        if int(self.model.optimizer.iterations.numpy()) % self._every == 0:
+        if _step(self.model) % self._every == 0:
             self._save()
 
     def on_train_end(self, logs=None):
@@ -228,9 +246,9 @@ class StopAtStep(tf.keras.callbacks.Callback):
         self._total = total_steps
 
     def on_train_batch_end(self, batch, logs=None):
-        if int(self.model.optimizer.iterations.numpy()) >= self._total:
+        if _step(self.model) >= self._total:
             self.model.stop_training = True
 
     def on_train_begin(self, logs=None):
-        if int(self.model.optimizer.iterations.numpy()) >= self._total:
+        if _step(self.model) >= self._total:
             self.model.stop_training = True

@@ -30,6 +30,7 @@ from kparallax._compat import striped
 from kparallax._compat import tf as tf_compat
 from kparallax.core import keras_hooks
 from kparallax.core import resume
+from kparallax.core import saving
 from kparallax.step import collectives
 
 POINTER = "checkpoint.json"
@@ -40,6 +41,7 @@ def _clones(model):
     if state is None:
         raise ValueError("Checkpoints need a model compiled inside HybridStrategy.scope(). Received: a model whose "
                          f"optimizer is {type(model.optimizer).__name__}.")
+    saving.refuse_optimizer_list(model, "a kparallax checkpoint")
     return state.clones
 
 

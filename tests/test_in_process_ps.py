@@ -135,31 +135,147 @@ def test_hooks_are_per_model_instance(strategy):
     assert "fit" in inside.__dict__ and "get_weights" in inside.get_layer("fast_inside_embedding").__dict__
 
 
-def _wide_deep():
-    """Keras' premade WideDeepModel (a LinearModel and a DNN), built by its first call; seeded initializers."""
+def _wide_deep(table=False):
+    """Keras' premade WideDeepModel (a LinearModel and a DNN, over a table with ``table``), built by its first call;
+    seeded initializers."""
     seeded = tf.keras.initializers.GlorotUniform
     linear = tf.keras.experimental.LinearModel(units=1, kernel_initializer=seeded(1))
-    dnn = tf.keras.Sequential([tf.keras.layers.Dense(4, "relu", kernel_initializer=seeded(2)),
+    front = ([tf.keras.layers.Embedding(VOCAB, EMB, embeddings_initializer=tf.keras.initializers.RandomNormal(seed=4)),
+              tf.keras.layers.GlobalAveragePooling1D()] if table else [])
+    dnn = tf.keras.Sequential([*front, tf.keras.layers.Dense(4, "relu", kernel_initializer=seeded(2)),
                                tf.keras.layers.Dense(1, kernel_initializer=seeded(3))])
     return tf.keras.experimental.WideDeepModel(linear, dnn)
 
 
-def test_a_wide_deep_model_compiles_outside_the_scope_and_its_optimizer_list_is_refused_inside(strategy):
+def test_a_wide_deep_model_compiles_outside_the_scope_and_trains_inside_with_one_optimizer(strategy):
     """Keras' WideDeepModel before its first call: compiled outside the scope while a strategy exists, it is plain
     Keras' (before: compile failed, listing the weights of its LinearModel not built yet); inside, one optimizer
-    trains it as plain Keras does, and a list of two (one per part, Keras' option) is refused with the fix."""
+    trains it as plain Keras does."""
     rng = np.random.default_rng(2)
     x, y = rng.normal(size=(64, 5)).astype(np.float32), rng.normal(size=(64, 1)).astype(np.float32)
     plain = _wide_deep()
     plain.compile(tf.keras.optimizers.Adam(0.01), "mse")
     plain.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     with strategy.scope():
-        listed = _wide_deep()
-        with pytest.raises(TypeError, match=r"A list of optimizers .*Received: optimizer=list of 2 optimizers"):
-            listed.compile([tf.keras.optimizers.SGD(0.05), tf.keras.optimizers.Adam(0.01)], "mse")
         model = _wide_deep()
         model.compile(tf.keras.optimizers.Adam(0.01), "mse")
         model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    for got, want in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _wide_deep_optimizers():
+    """Keras' documented pair: one optimizer for the linear part, one for the DNN (here over a table)."""
+    return [tf.keras.optimizers.Ftrl(0.1, l1_regularization_strength=0.01), tf.keras.optimizers.Adagrad(0.2)]
+
+
+def test_a_wide_deep_model_trains_with_a_list_of_optimizers_like_plain_keras(strategy, tmp_path):
+    """compile(optimizer=[linear's, DNN's]), as Keras documents WideDeepModel: the DNN's table moves onto the PS and
+    its optimizer (the last of the list) updates it there, the linear part's Ftrl updates the replicated linear
+    model; weights, Ftrl's and Adagrad's slots and the logs equal plain Keras' (before: refused at compile).
+    Saving or loading the optimizer state is refused with the fix, before anything is written; the weights save
+    (h5) and load into a plain model. Asynchronous training and loss scaling are refused at compile."""
+    ids, _ = _data()
+    rng = np.random.default_rng(3)
+    x = [rng.normal(size=(96, 5)).astype(np.float32), ids]
+    y = (rng.uniform(size=(96, 1)) > 0.5).astype(np.float32)
+    plain = _wide_deep(table=True)
+    plain.compile(_wide_deep_optimizers(), "binary_crossentropy", metrics=["accuracy"])
+    want = plain.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    with strategy.scope():
+        model = _wide_deep(table=True)
+        model.compile(_wide_deep_optimizers(), "binary_crossentropy", metrics=["accuracy"])
+    board = kp.callbacks.TensorBoardScalars(str(tmp_path / "board"), every=4)  # its step: the last optimizer's
+    got = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                    callbacks=[board, kp.callbacks.StopAtStep(100)]).history
+    assert len(os.listdir(tmp_path / "board")) == 1
+    table = model.dnn_model.layers[0].embeddings
+    assert strategy.is_ps_variable(table)
+    assert [type(o).__name__ for o in model.optimizer] == ["Ftrl", "Adagrad"]
+    for got_weight, want_weight in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got_weight, want_weight, rtol=1e-5, atol=1e-6)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6)
+    linear_slots = [v.numpy() for v in model.optimizer[0].variables]
+    assert len(linear_slots) > 1  # iterations, and Ftrl's accumulator and linear slot for the kernel and bias
+    for got_slot, want_slot in zip(linear_slots, [v.numpy() for v in plain.optimizer[0].variables]):
+        np.testing.assert_allclose(got_slot, want_slot, rtol=1e-5, atol=1e-6)
+    assert int(model.optimizer[1].iterations.numpy()) == int(plain.optimizer[1].iterations.numpy()) == 12
+
+    for save in (lambda: model.save(str(tmp_path / "m.keras")), lambda: model.save_weights(str(tmp_path / "ck")),
+                 lambda: kp.checkpoint.save(strategy, model, str(tmp_path / "kp"))):
+        with pytest.raises(ValueError, match=r"list of optimizers is not supported.*Received: .*"
+                                             r"optimizer=\['Ftrl', 'Adagrad'\].*include_optimizer=False"):
+            save()
+    with pytest.raises(ValueError, match=r"list of optimizers.*Received: a BackupAndRestore callback in fit"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0,
+                  callbacks=[tf.keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))])
+    assert sorted(os.listdir(tmp_path)) == ["board"]
+    model.save_weights(str(tmp_path / "w.h5"))
+    served = _wide_deep(table=True)
+    served(x)
+    served.load_weights(str(tmp_path / "w.h5"))
+    np.testing.assert_allclose(served.predict(x, verbose=0), plain.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+
+    # architecture="ps": the linear part's Ftrl would update PS variables; refused at the first step with the rule
+    # that keeps them replicated, which then trains like plain Keras.
+    on_ps = kp.HybridStrategy(strategy.cluster, architecture="ps")
+    with on_ps.scope():
+        refused = _wide_deep(table=True)
+        refused.compile(_wide_deep_optimizers(), "binary_crossentropy", metrics=["accuracy"])
+    with pytest.raises(ValueError, match=r"A second optimizer \(Ftrl\) updates PS variables.*placement="
+                                         r"\{'wide_deep_model_\d+/linear_model_\d+/\.\*': 'replicated'\}"):
+        refused.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    ruled = kp.HybridStrategy(strategy.cluster, architecture="ps",
+                              placement={r"wide_deep_model_\d+/linear_model_\d+/.*": "replicated"})
+    with ruled.scope():
+        model = _wide_deep(table=True)
+        model.compile(_wide_deep_optimizers(), "binary_crossentropy", metrics=["accuracy"])
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert ruled.is_ps_variable(model.dnn_model.layers[-1].kernel)
+    for got_weight, want_weight in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got_weight, want_weight, rtol=1e-5, atol=1e-6)
+
+    asynchronous = kp.HybridStrategy(strategy.cluster, sync=False)
+    with asynchronous.scope():
+        with pytest.raises(ValueError, match=r"list of optimizers is not supported with sync=False.*"
+                                             r"Received: optimizer=\['Ftrl', 'Adagrad'\]"):
+            _wide_deep(table=True).compile(_wide_deep_optimizers(), "mse")
+    tf.keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        with strategy.scope():
+            scaled = _wide_deep(table=True)
+            with pytest.raises(ValueError, match=r"list of optimizers with loss scaling .*'mixed_float16'"):
+                scaled.compile(_wide_deep_optimizers(), "mse")
+    finally:
+        tf.keras.mixed_precision.set_global_policy("float32")
+    with strategy.scope():
+        with pytest.raises(ValueError, match=r"empty list of optimizers"):
+            _wide_deep(table=True).compile([], "mse")
+
+
+@pytest.mark.parametrize("case", ["partitions_3", "steps_per_execution_3", "backward_passes_2", "allreduce"])
+def test_a_wide_deep_model_with_a_list_of_optimizers_trains_like_plain_keras_under_other_options(strategy, case):
+    """The list of optimizers beside a table in 3 stripes, Keras' multi-step executions, accumulation (2
+    micro-batches of 16 per update: one process trains on batches of 32) and the allreduce architecture (the table
+    replicated, its rows allgathered)."""
+    ids, _ = _data()
+    rng = np.random.default_rng(4)
+    x = [rng.normal(size=(96, 5)).astype(np.float32), ids]
+    y = (rng.uniform(size=(96, 1)) > 0.5).astype(np.float32)
+    options = {"partitions_3": {"partitions": 3}, "backward_passes_2": {"backward_passes_per_step": 2},
+               "allreduce": {"architecture": "allreduce"}}.get(case, {})
+    plain = _wide_deep(table=True)
+    plain.compile(_wide_deep_optimizers(), "binary_crossentropy")
+    plain.fit(x, y, batch_size=32 if case == "backward_passes_2" else 16, epochs=2, shuffle=False, verbose=0)
+    scoped = kp.HybridStrategy(strategy.cluster, **options)
+    with scoped.scope():
+        model = _wide_deep(table=True)
+        model.compile(_wide_deep_optimizers(), "binary_crossentropy",
+                      steps_per_execution=3 if case == "steps_per_execution_3" else 1)
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    table = model.dnn_model.layers[0].trainable_weights  # the table, or its stripes
+    assert [scoped.is_ps_variable(v) for v in table] == [case != "allreduce"] * (3 if case == "partitions_3" else 1)
     for got, want in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 

@@ -89,15 +89,22 @@ def optimizer_family(optimizer):
         return "legacy"
     if isinstance(optimizer, NewOptimizer):
         return "new"
-    if isinstance(optimizer, (list, tuple)):
-        raise TypeError(
-            "A list of optimizers in compile (Keras' WideDeepModel: one for its linear model, one for its DNN) is "
-            f"not supported under HybridStrategy. Received: optimizer={type(optimizer).__name__} of "
-            f"{len(optimizer)} optimizers. Pass one optimizer; or give a train_step of your own a second optimizer "
-            "for replicated variables (compile(optimizer=..., **kwargs) stores it; see the README).")
     raise TypeError(
         "kparallax supports tf.keras optimizers (tf.keras.optimizers.* or tf.keras.optimizers.legacy.*). "
         f"Received: {type(optimizer).__name__} from module {type(optimizer).__module__}.")
+
+
+def optimizer_list(optimizer):
+    """The optimizers of ``compile(optimizer=[...])`` (Keras' ``WideDeepModel`` takes one per part), or None for one
+    optimizer. ``model.optimizer`` keeps such a list as a ``ListWrapper``, a ``list``."""
+    return optimizer if isinstance(optimizer, (list, tuple)) else None
+
+
+def step_optimizer(model):
+    """The optimizer whose ``iterations`` count ``model``'s training steps, the one that may update PS variables:
+    ``model.optimizer``, or the last of a compiled list of optimizers (``optimizer_list``)."""
+    listed = optimizer_list(model.optimizer)
+    return listed[-1] if listed else model.optimizer
 
 
 def is_loss_scale_optimizer(optimizer):

@@ -152,7 +152,7 @@ class AverageMetrics(tf.keras.callbacks.Callback):
 
     def _over_workers(self, logs, metrics, tag):
         # A failed step check raises InvalidArgumentError here; ``fit`` (keras_hooks._explained) says it plainly.
-        merged = logs_lib.over_workers(dict(logs), metrics, self.model.optimizer.iterations.numpy(),
+        merged = logs_lib.over_workers(dict(logs), metrics, keras_compat.step_optimizer(self.model).iterations.numpy(),
                                        self._strategy.num_workers, name=f"kp_metrics_{tag}",
                                        worker_index=self._strategy.worker_index)
         # As Keras gives a log: a number, or an array for a metric's non-scalar result (F1Score's per class).

@@ -36,6 +36,7 @@ import zlib
 
 import tensorflow as tf
 
+from kparallax import callbacks as kp_callbacks
 from kparallax import log
 from kparallax._compat import keras as keras_compat
 from kparallax._compat import striped
@@ -182,14 +183,17 @@ def _only_owned_optimizers_in_jobs(original):
 
 
 def _refuse_extra_optimizer_on_ps(strategy, optimizer, grads_and_vars):
-    on_ps = [v.name for g, v in grads_and_vars if g is not None and strategy.is_ps_variable(v)]
+    on_ps = [v for g, v in grads_and_vars if g is not None and strategy.is_ps_variable(v)]
     if on_ps:
+        paths = [placement.variable_path(v) for v in on_ps]
+        scope = os.path.commonprefix([p.split("/")[:-1] for p in paths])  # whole path components
+        rule = re.escape("/".join(scope)) + "/.*" if scope else re.escape(paths[0])
         raise ValueError(
             f"A second optimizer ({type(optimizer).__name__}) updates PS variables in a model's train_step: under "
-            "HybridStrategy only the optimizer passed to compile can, because the PS-side copies of it hold those "
-            f"variables' slots. Received: {type(optimizer).__name__}.apply_gradients with PS variable(s) {on_ps}. "
-            "Update them with self.optimizer, or keep them on the workers with "
-            "HybridStrategy(placement={'<their path regex>': 'replicated'}).")
+            "HybridStrategy only the optimizer passed to compile (the last one of a list of optimizers) can, because "
+            f"the PS-side copies of it hold those variables' slots. Received: {type(optimizer).__name__}"
+            f".apply_gradients with PS variable(s) {[v.name for v in on_ps]}. Update them with that optimizer, or keep "
+            f"them on the workers with HybridStrategy(placement={{{rule!r}: 'replicated'}}).")
 
 
 def _whole_tables_before_compile(original, whole):
@@ -293,8 +297,12 @@ def _compile(model, *args, **kwargs):
                                      "steps_per_execution='auto'")
     if strategy.options.sync and strategy.num_workers > 1:
         batch_norm.check(model, strategy.num_workers, strategy.options.sync_batch_norm)
-    optimizer, step, clones = strategy.make_optimizer(bound.arguments["optimizer"])
-    bound.arguments["optimizer"] = optimizer
+    listed = keras_compat.optimizer_list(bound.arguments["optimizer"])
+    if listed is not None:
+        _check_optimizer_list(strategy, model, listed)
+    optimizer, step, clones = strategy.make_optimizer(bound.arguments["optimizer"] if listed is None else listed[-1])
+    bound.arguments["optimizer"] = (optimizer if listed is None else
+                                   (tuple if isinstance(listed, tuple) else list)([*listed[:-1], optimizer]))
     _guard_tracking(strategy, model, optimizer)
     _unbind(model)
     model.__dict__[_STATE] = Compiled(strategy, step, clones)
@@ -318,6 +326,30 @@ def _compile(model, *args, **kwargs):
         keras_compat.skip_steps_together(model.optimizer, functools.partial(
             collectives.any_worker_in_graph, num_workers=strategy.num_workers, name="kp_loss_scale_overflow"))
     return result
+
+
+def _check_optimizer_list(strategy, model, optimizers):
+    """``compile(optimizer=[...])``, as Keras' ``WideDeepModel`` takes one optimizer per part: the last is the one
+    kparallax routes (it may update PS variables; its ``iterations`` count the steps), each other one applies its
+    gradients as a second optimizer of a ``train_step`` does (averaged over the workers; replicated variables only).
+    Refused where that does not hold: asynchronous training, loss scaling (Keras wraps each optimizer of the list in
+    its own ``LossScaleOptimizer``, which kparallax does not keep in step over the workers)."""
+    names = [o if isinstance(o, str) else type(o).__name__ for o in optimizers]
+    if not optimizers:
+        raise ValueError("compile received an empty list of optimizers. Received: optimizer=[]. Pass one optimizer, "
+                         "or one per part of the model (Keras' WideDeepModel: [linear, dnn]).")
+    if not strategy.options.sync:
+        raise ValueError(
+            f"A list of optimizers is not supported with sync=False: asynchronous training shares only one "
+            f"optimizer's updates, through the PS. Received: optimizer={names} with sync=False. Train with "
+            "sync=True, or pass one optimizer.")
+    scaled = [name for name, o in zip(names, optimizers) if keras_compat.is_loss_scale_optimizer(o)]
+    if scaled or model.dtype_policy.name == "mixed_float16":
+        raise ValueError(
+            "A list of optimizers with loss scaling (the mixed_float16 policy, or a LossScaleOptimizer in the list) "
+            f"is not supported under HybridStrategy. Received: optimizer={names} for model {model.name!r} with "
+            f"policy {model.dtype_policy.name!r}. Pass one optimizer, or train this model in float32 "
+            "(or mixed_bfloat16, which needs no loss scale).")
 
 
 def _make_train_function(original, model, force=False):
@@ -375,8 +407,8 @@ def _placed(original, model, single, iterator):
         return single
     # The optimizer may hold slots for them already (built by a saver or a loader before the first step). Initial
     # ones (no step taken) are the state the PS-side copies start from; trained ones the move would lose.
-    held = [v for v in moving if keras_compat.holds_slots(model.optimizer, v)]
-    steps = int(model.optimizer.iterations.numpy())
+    held = [v for v in moving if keras_compat.holds_slots(keras_compat.step_optimizer(model), v)]
+    steps = int(keras_compat.step_optimizer(model).iterations.numpy())
     if held and steps:
         names = [v.name for v in held]
         raise ValueError(
@@ -387,7 +419,7 @@ def _placed(original, model, single, iterator):
             f"so they are made where they belong, e.g. placement={{{placement.variable_path(held[0])!r}: 'ps'}} (or "
             "'replicated' to allgather their rows); saved state loads either way.")
     state.strategy.move_to_ps(model, moving)
-    _guard_tracking(state.strategy, model, model.optimizer)
+    _guard_tracking(state.strategy, model, keras_compat.step_optimizer(model))
     if state.strategy.is_chief and model.__dict__.get("_kparallax_announced"):
         print("kparallax: moved to PS (sparse gradients): " + "; ".join(
             "{} -> ps[{}]".format(*state.strategy.ps_info(v)) for v in moving), flush=True)
@@ -413,7 +445,8 @@ def _synchronous_step(original, model, data):
     """``_train_step`` but for its checks' order (``rows_meet.checked_first``)."""
     state = compiled(model)
     strategy = state.strategy
-    iterations = model.optimizer.iterations.read_value()  # before this step's update (program order)
+    # Before this step's update (program order).
+    iterations = keras_compat.step_optimizer(model).iterations.read_value()
     share = (global_losses.batch_share(data, strategy.num_workers)
              if state.uneven_batches and strategy.num_workers > 1 else None)
     statistics = (batch_norm.global_statistics(strategy.num_workers, strategy.options.sync_batch_norm)
@@ -482,7 +515,7 @@ def _train_on_batch(original, model, *args, **kwargs):
     are compared over the workers, as ``fit`` does after its first step."""
     state = compiled(model)
     strategy = state.strategy
-    _guard_tracking(strategy, model, model.optimizer)
+    _guard_tracking(strategy, model, keras_compat.step_optimizer(model))
     written = strategy.num_workers > 1 and ps_writes.take_written(strategy)
     stale = collectives.any_worker(not state.on_batch_synced or written, strategy.num_workers, name="kp_weights_set")
     if stale:
@@ -560,7 +593,8 @@ def _fit(original, model, *args, **kwargs):
     strategy = compiled(model).strategy
     _check_fixed_steps_per_execution(strategy, getattr(model, "autotune_steps_per_execution", False),
                                      "model.autotune_steps_per_execution=True")
-    _guard_tracking(strategy, model, model.optimizer)  # a model built by its first call: now it has its variables
+    # A model built by its first call: now it has its variables.
+    _guard_tracking(strategy, model, keras_compat.step_optimizer(model))
     bound = inspect.signature(original).bind(model, *args, **kwargs)
     bound.apply_defaults()
     a = bound.arguments
@@ -615,7 +649,10 @@ def _fit(original, model, *args, **kwargs):
         ours.append(resume.ResumePosition(pending, lambda: setattr(compiled(model), "resume", None)))
     for callback in a["callbacks"] or []:
         if isinstance(callback, tf.keras.callbacks.BackupAndRestore):
+            saving.refuse_optimizer_list(model, "a BackupAndRestore callback in fit")
             backup.adapt(callback, strategy, compiled(model).clones)
+        if isinstance(callback, kp_callbacks.Checkpoint):
+            saving.refuse_optimizer_list(model, "a kparallax.callbacks.Checkpoint in fit")
     a["callbacks"] = ours + list(a["callbacks"] or [])
     meets = {"epoch_end"}  # the hooks after which the workers meet (SameStop); a synchronous fit adds those below
     if strategy.num_workers > 1:
@@ -698,7 +735,7 @@ def _explained(error, model):
     collective that ended because another worker stopped."""
     text = str(error)
     if collectives.STEP_SKEW_MESSAGE in text:
-        return collectives.step_skew_error(model.optimizer.iterations.numpy())
+        return collectives.step_skew_error(keras_compat.step_optimizer(model).iterations.numpy())
     match = _OUT_OF_RANGE.search(text)
     if match:
         return _id_error(match.group(1), match.group(2))

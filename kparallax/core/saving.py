@@ -51,6 +51,21 @@ def refuse_direct_tracking(optimizer, save_type):
         "strategy.load_model, or kparallax.checkpoint.")
 
 
+def refuse_optimizer_list(model, received):
+    """Raises for ``received`` (what would save or load the optimizer state) of a model compiled with a list of
+    optimizers (Keras' ``WideDeepModel``: one per part): kparallax's savers write one optimizer as one process has
+    it, its PS variables' slots joined from the PS; a list is not written yet. Its weights save and load."""
+    listed = keras_compat.optimizer_list(model.optimizer)
+    if listed is None:
+        return
+    names = [type(o).__name__ for o in listed]  # a routing optimizer has its class's name
+    raise ValueError(
+        "Saving or loading the optimizer state of a model compiled with a list of optimizers is not supported under "
+        f"HybridStrategy. Received: {received} of model {model.name!r}, compiled with optimizer={names}. Save and "
+        "load its weights alone (model.save(path, include_optimizer=False), model.save_weights('weights.h5'), "
+        "model.export(path), strategy.load_model(path, compile=False)), or compile it with one optimizer.")
+
+
 @contextlib.contextmanager
 def whole_tables(strategy, model):
     """Inside: each partitioned table of ``model`` is one ordinary local variable holding the whole table (read
@@ -99,6 +114,7 @@ def whole_state(strategy, model, clones, restore=False):
     writes are only dispatched: the caller waits for them (``load_weights``' ``async_wait``, or an
     ``eager_barrier``) before any step may read them.
     """
+    refuse_optimizer_list(model, "a save or load of the whole training state")
     with whole_tables(strategy, model) as wholes:
         trained = model.optimizer
         with plain_variables():  # the plain optimizer's slots are local, as in one process, even inside the scope

@@ -58,8 +58,9 @@ def checked(model, num_workers):
                     states[variable.ref()] = metric
         # The model's weights and its optimizer's slots (created so far) are none of these: not looked up again.
         # (A lookup layer's vocabulary handler among the weights is no variable.)
-        others.update(v.ref() for v in [*model.weights, *keras_compat.optimizer_variables(model.optimizer)]
-                      if isinstance(v, tf.Variable) and v.ref() not in states)
+        optimizers = keras_compat.optimizer_list(model.optimizer) or [model.optimizer]
+        slots = [v for optimizer in optimizers for v in keras_compat.optimizer_variables(optimizer)]
+        others.update(v.ref() for v in [*model.weights, *slots] if isinstance(v, tf.Variable) and v.ref() not in states)
 
     def refuse(variable, method, made, sets):
         """Raises for a write of a metric's NONE state, or of its SUM state when ``sets()``; ``made()``: what the

@@ -1845,8 +1845,9 @@ class _BuiltByItsFirstCall(tf.keras.Model):
 
 def wide_deep_premade(scope, batch):
     """Keras' premade WideDeepModel: a LinearModel on dense features and a DNN over a table, both built by the
-    first step from seeded initializers; a sigmoid output with accuracy and AUC, one Adam (a list of optimizers, one
-    per part, is refused: test_in_process_ps.py)."""
+    first step from seeded initializers; a sigmoid output with accuracy and AUC, and one optimizer per part as Keras
+    documents it: Ftrl for the linear model (replicated; its gradients averaged over the workers), Adagrad for the
+    DNN (its table on the PS). One optimizer for both: test_in_process_ps.py."""
     ids, rng = _ids(71)
     features = rng.normal(size=(ROWS, 5)).astype(np.float32)
     y = (rng.uniform(size=(ROWS, 1)) > 0.5).astype(np.float32)
@@ -1858,7 +1859,8 @@ def wide_deep_premade(scope, batch):
             tf.keras.layers.GlobalAveragePooling1D(), tf.keras.layers.Dense(4, "relu", kernel_initializer=seeded(2)),
             tf.keras.layers.Dense(1, kernel_initializer=seeded(4))])
         model = tf.keras.experimental.WideDeepModel(linear, dnn, activation="sigmoid")
-        model.compile(tf.keras.optimizers.Adam(0.02), "binary_crossentropy",
+        model.compile([tf.keras.optimizers.Ftrl(0.05, l1_regularization_strength=0.01),
+                       tf.keras.optimizers.Adagrad(0.1)], "binary_crossentropy",
                       metrics=["accuracy", tf.keras.metrics.AUC()])
         history = model.fit([features, ids], y, batch_size=batch, epochs=2, verbose=0, shuffle=False)
     model.logged = [np.array([history.history[key] for key in sorted(history.history)])]
