@@ -201,6 +201,16 @@ def test_a_wide_deep_model_trains_with_a_list_of_optimizers_like_plain_keras(str
     for got_slot, want_slot in zip(linear_slots, [v.numpy() for v in plain.optimizer[0].variables]):
         np.testing.assert_allclose(got_slot, want_slot, rtol=1e-5, atol=1e-6)
     assert int(model.optimizer[1].iterations.numpy()) == int(plain.optimizer[1].iterations.numpy()) == 12
+    after_fit = plain.get_weights()
+    # Compiled again with model.optimizer (the list: each one keeps its state), then train_on_batch.
+    with strategy.scope():
+        model.compile(model.optimizer, "binary_crossentropy", metrics=["accuracy"])
+    plain.compile(plain.optimizer, "binary_crossentropy", metrics=["accuracy"])
+    for start in range(0, 48, 16):
+        batch, labels = [x[0][start:start + 16], x[1][start:start + 16]], y[start:start + 16]
+        np.testing.assert_allclose(model.train_on_batch(batch, labels), plain.train_on_batch(batch, labels), rtol=1e-5)
+    for got_weight, want_weight in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got_weight, want_weight, rtol=1e-5, atol=1e-6)
 
     for save in (lambda: model.save(str(tmp_path / "m.keras")), lambda: model.save_weights(str(tmp_path / "ck")),
                  lambda: kp.checkpoint.save(strategy, model, str(tmp_path / "kp"))):
@@ -233,7 +243,7 @@ def test_a_wide_deep_model_trains_with_a_list_of_optimizers_like_plain_keras(str
         model.compile(_wide_deep_optimizers(), "binary_crossentropy", metrics=["accuracy"])
     model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     assert ruled.is_ps_variable(model.dnn_model.layers[-1].kernel)
-    for got_weight, want_weight in zip(model.get_weights(), plain.get_weights()):
+    for got_weight, want_weight in zip(model.get_weights(), after_fit):
         np.testing.assert_allclose(got_weight, want_weight, rtol=1e-5, atol=1e-6)
 
     asynchronous = kp.HybridStrategy(strategy.cluster, sync=False)
