@@ -1489,6 +1489,41 @@ def test_backup_and_restore_resumes_as_plain_keras_does(strategy, tmp_path, save
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_backup_and_restore_into_a_wide_deep_model_not_built_is_refused_and_built_resumes(strategy, tmp_path):
+    """A WideDeepModel whose LinearModel is built by its first call, resumed by BackupAndRestore: a new model not
+    built yet is refused with the fix (before: Keras' 'Weights for model ... have not yet been created' from inside
+    kparallax's restore), and built by a call on one batch it ends where plain Keras' own interrupted-and-resumed run
+    ends (a table on the PS under Adam)."""
+    ids, _ = _data()
+    rng = np.random.default_rng(6)
+    x = [rng.normal(size=(96, 5)).astype(np.float32), ids]
+    y = rng.normal(size=(96, 1)).astype(np.float32)
+
+    def interrupted_then_resumed(label, scope, build=True):
+        backup = tf.keras.callbacks.BackupAndRestore(str(tmp_path / label))
+        for attempt, callbacks in enumerate(([_InterruptAtStep(15)], [])):
+            with scope():
+                model = _wide_deep(table=True)
+                model.compile(optimizer=tf.keras.optimizers.Adam(0.05), loss="mse")
+            if build or attempt == 0:
+                model([part[:1] for part in x])
+            try:
+                model.fit(x, y, batch_size=16, epochs=4, shuffle=False, verbose=0, callbacks=[backup] + callbacks)
+            except _Interrupted:
+                assert attempt == 0
+        return model
+
+    with pytest.raises(ValueError, match=r"BackupAndRestore found a backup .*not created all its weights yet.*"
+                                         r"Received: backup_dir=.*Build it before fit: call it on one batch"):
+        interrupted_then_resumed("fast_wide_deep_unbuilt", strategy.scope, build=False)
+    want = interrupted_then_resumed("plain_wide_deep_backup", contextlib.nullcontext)
+    got = interrupted_then_resumed("fast_wide_deep_backup", strategy.scope)
+    assert strategy.is_ps_variable(got.dnn_model.layers[0].embeddings)
+    assert int(got.optimizer.iterations) == int(want.optimizer.iterations) == 24
+    for a, b in zip(got.get_weights(), want.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_checkpoints_that_would_miss_the_ps_side_optimizer_state_are_refused(strategy, tmp_path):
     """tf.train.Checkpoint / tf.saved_model.save of a model with PS variables (they would hold model.optimizer
     without the tables' slots) are refused with the fix; kparallax's savers and a model without PS variables are

@@ -21,6 +21,7 @@ import types
 
 import tensorflow as tf
 
+from kparallax._compat import keras as keras_compat
 from kparallax.core import saving
 from kparallax.step import collectives
 
@@ -42,6 +43,14 @@ def _on_train_begin(original, strategy, clones, callback, logs=None):
     model = callback.model
     if not _backup_found(strategy, callback.backup_dir):
         original(callback, logs)  # nothing to restore
+    elif not keras_compat.weights_created(model):
+        # Keras' own error otherwise ("Weights for model ... have not yet been created"), from inside the restore.
+        raise ValueError(
+            f"BackupAndRestore found a backup to resume from, but model {model.name!r} has not created all its "
+            "weights yet (a part of it built by its first call, as a WideDeepModel's LinearModel is): kparallax "
+            "restores the tables and their optimizer state into existing variables. Received: backup_dir="
+            f"{callback.backup_dir!r} and a model not built. Build it before fit: call it on one batch "
+            "(model(x[:1])), then fit.")
     else:
         with saving.whole_state(strategy, model, clones, restore=True), saving.plain_variables():
             original(callback, logs)  # Keras' WorkerTrainingState, then its restore
