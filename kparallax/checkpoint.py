@@ -41,7 +41,7 @@ def _clones(model):
     if state is None:
         raise ValueError("Checkpoints need a model compiled inside HybridStrategy.scope(). Received: a model whose "
                          f"optimizer is {type(model.optimizer).__name__}.")
-    saving.refuse_optimizer_list(model, "a kparallax checkpoint")
+    saving.refuse_optimizer_list(model, "a kparallax checkpoint", keras_savers=False)
     return state.clones
 
 

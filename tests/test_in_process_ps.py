@@ -173,8 +173,8 @@ def test_a_wide_deep_model_trains_with_a_list_of_optimizers_like_plain_keras(str
     """compile(optimizer=[linear's, DNN's]), as Keras documents WideDeepModel: the DNN's table moves onto the PS and
     its optimizer (the last of the list) updates it there, the linear part's Ftrl updates the replicated linear
     model; weights, Ftrl's and Adagrad's slots and the logs equal plain Keras' (before: refused at compile).
-    Saving or loading the optimizer state is refused with the fix, before anything is written; the weights save
-    (h5) and load into a plain model. Asynchronous training and loss scaling are refused at compile."""
+    save_weights writes both optimizers' state as one process does; kparallax's checkpoints refuse a list.
+    Asynchronous training and loss scaling are refused at compile."""
     ids, _ = _data()
     rng = np.random.default_rng(3)
     x = [rng.normal(size=(96, 5)).astype(np.float32), ids]
@@ -212,20 +212,28 @@ def test_a_wide_deep_model_trains_with_a_list_of_optimizers_like_plain_keras(str
     for got_weight, want_weight in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(got_weight, want_weight, rtol=1e-5, atol=1e-6)
 
-    for save in (lambda: model.save(str(tmp_path / "m.keras")), lambda: model.save_weights(str(tmp_path / "ck")),
-                 lambda: kp.checkpoint.save(strategy, model, str(tmp_path / "kp"))):
-        with pytest.raises(ValueError, match=r"list of optimizers is not supported.*Received: .*"
-                                             r"optimizer=\['Ftrl', 'Adagrad'\].*include_optimizer=False"):
-            save()
-    with pytest.raises(ValueError, match=r"list of optimizers.*Received: a BackupAndRestore callback in fit"):
-        model.fit(x, y, batch_size=16, epochs=1, verbose=0,
-                  callbacks=[tf.keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))])
-    assert sorted(os.listdir(tmp_path)) == ["board"]
+    # Keras' savers: the TensorFlow-format checkpoint holds both optimizers' state as one process's file does (the
+    # DNN's Adagrad with the table's slots joined from the PS): a plain model loading it trains on as plain Keras
+    # does, and one given the weights alone (.h5) does not. kparallax's own checkpoints refuse a list, writing nothing.
+    model.save_weights(str(tmp_path / "ck"))
     model.save_weights(str(tmp_path / "w.h5"))
-    served = _wide_deep(table=True)
-    served(x)
-    served.load_weights(str(tmp_path / "w.h5"))
-    np.testing.assert_allclose(served.predict(x, verbose=0), plain.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"list of optimizers: Keras' savers support it for Keras' WideDeepModel .*"
+                                         r"Received: a kparallax checkpoint .*optimizer=\['Ftrl', 'Adagrad'\]"):
+        kp.checkpoint.save(strategy, model, str(tmp_path / "kp"))
+    with pytest.raises(ValueError, match=r"Received: a kparallax.callbacks.Checkpoint in fit"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0,
+                  callbacks=[kp.callbacks.Checkpoint(strategy, str(tmp_path / "kp"), every_steps=2)])
+    assert not (tmp_path / "kp").exists()
+    resumed, weights_only = _wide_deep(table=True), _wide_deep(table=True)
+    for fresh, path in ((resumed, "ck"), (weights_only, "w.h5")):
+        fresh.compile(_wide_deep_optimizers(), "binary_crossentropy")
+        fresh([part[:1] for part in x])
+        fresh.load_weights(str(tmp_path / path))
+        fresh.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    plain.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    for got_weight, want_weight in zip(resumed.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(got_weight, want_weight, rtol=1e-5, atol=1e-6)
+    assert max(np.max(np.abs(a - b)) for a, b in zip(weights_only.get_weights(), plain.get_weights())) > 1e-3
 
     # architecture="ps": the linear part's Ftrl would update PS variables; refused at the first step with the rule
     # that keeps them replicated, which then trains like plain Keras.
@@ -1457,7 +1465,7 @@ class _InterruptAtStep(tf.keras.callbacks.Callback):
         self._step = step
 
     def on_train_batch_begin(self, batch, logs=None):
-        if int(self.model.optimizer.iterations) == self._step:
+        if int(keras_compat.step_optimizer(self.model).iterations) == self._step:  # of a list: the last one's
             raise _Interrupted()
 
 
@@ -1489,11 +1497,14 @@ def test_backup_and_restore_resumes_as_plain_keras_does(strategy, tmp_path, save
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_backup_and_restore_into_a_wide_deep_model_not_built_is_refused_and_built_resumes(strategy, tmp_path):
+@pytest.mark.parametrize("optimizers", ["one", "list"])
+def test_backup_and_restore_into_a_wide_deep_model_not_built_is_refused_and_built_resumes(strategy, tmp_path,
+                                                                                         optimizers):
     """A WideDeepModel whose LinearModel is built by its first call, resumed by BackupAndRestore: a new model not
     built yet is refused with the fix (before: Keras' 'Weights for model ... have not yet been created' from inside
     kparallax's restore), and built by a call on one batch it ends where plain Keras' own interrupted-and-resumed run
-    ends (a table on the PS under Adam)."""
+    ends (a table on the PS under Adam; under Ftrl for the linear part and Adagrad for the DNN, whose table's slots
+    the backup holds joined from the PS; before, a list of optimizers was refused)."""
     ids, _ = _data()
     rng = np.random.default_rng(6)
     x = [rng.normal(size=(96, 5)).astype(np.float32), ids]
@@ -1504,7 +1515,8 @@ def test_backup_and_restore_into_a_wide_deep_model_not_built_is_refused_and_buil
         for attempt, callbacks in enumerate(([_InterruptAtStep(15)], [])):
             with scope():
                 model = _wide_deep(table=True)
-                model.compile(optimizer=tf.keras.optimizers.Adam(0.05), loss="mse")
+                model.compile(optimizer=tf.keras.optimizers.Adam(0.05) if optimizers == "one" else
+                              _wide_deep_optimizers(), loss="mse")
             if build or attempt == 0:
                 model([part[:1] for part in x])
             try:
@@ -1519,7 +1531,9 @@ def test_backup_and_restore_into_a_wide_deep_model_not_built_is_refused_and_buil
     want = interrupted_then_resumed("plain_wide_deep_backup", contextlib.nullcontext)
     got = interrupted_then_resumed("fast_wide_deep_backup", strategy.scope)
     assert strategy.is_ps_variable(got.dnn_model.layers[0].embeddings)
-    assert int(got.optimizer.iterations) == int(want.optimizer.iterations) == 24
+    for optimizer in (got.optimizer, want.optimizer):
+        assert [int(o.iterations) for o in keras_compat.optimizer_list(optimizer) or [optimizer]] == [24] * (
+            1 if optimizers == "one" else 2)
     for a, b in zip(got.get_weights(), want.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 

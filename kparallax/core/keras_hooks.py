@@ -652,7 +652,7 @@ def _fit(original, model, *args, **kwargs):
             saving.refuse_optimizer_list(model, "a BackupAndRestore callback in fit")
             backup.adapt(callback, strategy, compiled(model).clones)
         if isinstance(callback, kp_callbacks.Checkpoint):
-            saving.refuse_optimizer_list(model, "a kparallax.callbacks.Checkpoint in fit")
+            saving.refuse_optimizer_list(model, "a kparallax.callbacks.Checkpoint in fit", keras_savers=False)
     a["callbacks"] = ours + list(a["callbacks"] or [])
     meets = {"epoch_end"}  # the hooks after which the workers meet (SameStop); a synchronous fit adds those below
     if strategy.num_workers > 1:

@@ -42,7 +42,8 @@ def load_model(strategy, filepath, custom_objects=None, compile=True):  # pylint
     model.set_weights(plain.get_weights())
     compiled = keras_hooks.compiled(model)
     if compiled is not None and plain.optimizer is not None:
-        saving.refuse_optimizer_list(model, f"strategy.load_model({filepath!r}) with the optimizer state")
+        saving.refuse_optimizer_list(model, f"strategy.load_model({filepath!r}) with the optimizer state",
+                                     keras_savers=False)
         source = plain.optimizer
         inner = source.inner_optimizer if keras_compat.is_loss_scale_optimizer(source) else source
         keras_compat.build_optimizer(inner, plain.trainable_variables)  # idempotent; restores a SavedModel's state

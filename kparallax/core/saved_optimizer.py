@@ -27,7 +27,7 @@ from kparallax.core import tables
 from kparallax.step import train_step
 
 
-def plain_optimizer(strategy, model, clones, wholes):
+def plain_optimizer(strategy, model, clones, wholes, trained=None, variables=None):
     """A plain optimizer holding ``model``'s trained optimizer state, for Keras' savers and loaders.
 
     Call it while each partitioned table of ``model`` is one whole variable (``saving.whole_tables``).
@@ -37,6 +37,8 @@ def plain_optimizer(strategy, model, clones, wholes):
       model: a model compiled inside the strategy's scope, with the tables swapped for whole variables.
       clones: the model's ``Clones`` (the PS-side optimizer state).
       wholes: [(table, the whole variable standing in for its shards in ``model``)].
+      trained: the optimizer Keras trains with (default ``model.optimizer``; of a list of optimizers, the last).
+      variables: the variables ``trained`` applies gradients to, in order (default ``model.trainable_variables``).
 
     Returns:
       (plain, load_back). ``plain``: an optimizer of the user's class and config, built over
@@ -49,14 +51,15 @@ def plain_optimizer(strategy, model, clones, wholes):
     Raises:
       ValueError: the trained optimizer's variables do not follow the layout of a plain copy of it.
     """
-    trained = model.optimizer
+    trained = model.optimizer if trained is None else trained
+    variables = list(model.trainable_variables if variables is None else variables)
     if keras_compat.is_loss_scale_optimizer(trained):
         plain = keras_compat.copy_loss_scale_optimizer(trained, _fresh(trained.inner_optimizer))
-        layout = _Correspondence(strategy, model, wholes, trained.inner_optimizer, plain.inner_optimizer)
+        layout = _Correspondence(strategy, variables, wholes, trained.inner_optimizer, plain.inner_optimizer)
         keras_compat.copy_loss_scale(trained, plain)
     else:
         plain = _fresh(trained)
-        layout = _Correspondence(strategy, model, wholes, trained, plain)
+        layout = _Correspondence(strategy, variables, wholes, trained, plain)
     layout.read(clones)
 
     def load_back():
@@ -88,12 +91,11 @@ def copy_state(source, target, origin):
 
 
 class _Correspondence:
-    """Which variable of ``plain`` (built here over the model's trainable variables) is which variable of the
+    """Which variable of ``plain`` (built here over ``variables``, the model's trainable ones) is which variable of the
     ``trained`` optimizer (built over the replicated variables, as kparallax's step builds it), and which is which
     of each PS variable's clone state (joined over shards)."""
 
-    def __init__(self, strategy, model, wholes, trained, plain):
-        variables = list(model.trainable_variables)
+    def __init__(self, strategy, variables, wholes, trained, plain):
         self._groups = _ps_groups(strategy, variables, wholes)
         saved_whole = {whole.ref() for whole, _ in self._groups}
         # The variables ``trained`` holds slots for, in model order: the replicated ones, and any that moved onto a

@@ -51,19 +51,25 @@ def refuse_direct_tracking(optimizer, save_type):
         "strategy.load_model, or kparallax.checkpoint.")
 
 
-def refuse_optimizer_list(model, received):
+def refuse_optimizer_list(model, received, keras_savers=True):
     """Raises for ``received`` (what would save or load the optimizer state) of a model compiled with a list of
-    optimizers (Keras' ``WideDeepModel``: one per part): kparallax's savers write one optimizer as one process has
-    it, its PS variables' slots joined from the PS; a list is not written yet. Its weights save and load."""
+    optimizers. Keras' savers and loaders (``keras_savers``) take such a list where kparallax can tell the variables
+    of each (``keras_compat.listed_variables``: Keras' ``WideDeepModel``'s): the one that updates the PS variables
+    is written as one process has it, its slots joined from the PS; kparallax's own checkpoints and
+    ``strategy.load_model``'s optimizer state never take a list. The weights save and load either way."""
     listed = keras_compat.optimizer_list(model.optimizer)
-    if listed is None:
+    if listed is None or (keras_savers and keras_compat.knows_listed_variables(model)):
         return
     names = [type(o).__name__ for o in listed]  # a routing optimizer has its class's name
+    supported = ("Keras' savers support it for Keras' WideDeepModel only, whose train_step says which variables each "
+                 "optimizer updates" if keras_savers else "Keras' savers support it for Keras' WideDeepModel "
+                 "(model.save_weights(path) / load_weights in TensorFlow format, BackupAndRestore)")
     raise ValueError(
-        "Saving or loading the optimizer state of a model compiled with a list of optimizers is not supported under "
-        f"HybridStrategy. Received: {received} of model {model.name!r}, compiled with optimizer={names}. Save and "
-        "load its weights alone (model.save(path, include_optimizer=False), model.save_weights('weights.h5'), "
-        "model.export(path), strategy.load_model(path, compile=False)), or compile it with one optimizer.")
+        f"Saving or loading the optimizer state of a model compiled with a list of optimizers: {supported}. "
+        f"Received: {received} of model {model.name!r} ({type(model).__name__}), compiled with optimizer={names}. "
+        "Save and load its weights alone (model.save(path, include_optimizer=False), "
+        "model.save_weights('weights.h5'), model.export(path), strategy.load_model(path, compile=False)), or "
+        "compile it with one optimizer.")
 
 
 @contextlib.contextmanager
@@ -107,7 +113,8 @@ def _whole_tables_swapped(strategy, model):
 def whole_state(strategy, model, clones, restore=False):
     """Inside: each partitioned table of ``model`` is one whole variable and ``model.optimizer`` is a plain optimizer
     holding the whole trained state (``saved_optimizer``: PS-side slots joined, in the order one process creates
-    them), so Keras' savers write, and its loaders read, what one process would.
+    them), so Keras' savers write, and its loaders read, what one process would. Of a list of optimizers (Keras'
+    ``WideDeepModel``'s), the last one is so replaced; the others are the user's own, saved and loaded as they are.
 
     ``restore=True``: on a normal exit, what a loader put there goes back: the optimizer state into the optimizer
     Keras trains with and (worker 0) the PS-side clones, the tables (worker 0) into their shards. Those remote eager
@@ -117,8 +124,14 @@ def whole_state(strategy, model, clones, restore=False):
     refuse_optimizer_list(model, "a save or load of the whole training state")
     with whole_tables(strategy, model) as wholes:
         trained = model.optimizer
+        listed = keras_compat.optimizer_list(trained)
         with plain_variables():  # the plain optimizer's slots are local, as in one process, even inside the scope
-            model.optimizer, load_back = saved_optimizer.plain_optimizer(strategy, model, clones, wholes)
+            if listed is None:
+                model.optimizer, load_back = saved_optimizer.plain_optimizer(strategy, model, clones, wholes)
+            else:  # the last one routes, the others are the user's own: Keras saves and loads them as they are
+                plain, load_back = saved_optimizer.plain_optimizer(
+                    strategy, model, clones, wholes, listed[-1], keras_compat.listed_variables(model)[-1])
+                model.optimizer = [*listed[:-1], plain]
         try:
             yield
         finally:

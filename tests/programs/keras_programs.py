@@ -1847,7 +1847,9 @@ def wide_deep_premade(scope, batch):
     """Keras' premade WideDeepModel: a LinearModel on dense features and a DNN over a table, both built by the
     first step from seeded initializers; a sigmoid output with accuracy and AUC, and one optimizer per part as Keras
     documents it: Ftrl for the linear model (replicated; its gradients averaged over the workers), Adagrad for the
-    DNN (its table on the PS). One optimizer for both: test_in_process_ps.py."""
+    DNN (its table on the PS). One optimizer for both: test_in_process_ps.py. ModelCheckpoint writes a
+    TensorFlow-format checkpoint (both optimizers' state, the table's slots joined from the PS) at each epoch's end;
+    after one more epoch, load_weights goes back to it, and training goes on from there."""
     ids, rng = _ids(71)
     features = rng.normal(size=(ROWS, 5)).astype(np.float32)
     y = (rng.uniform(size=(ROWS, 1)) > 0.5).astype(np.float32)
@@ -1862,7 +1864,12 @@ def wide_deep_premade(scope, batch):
         model.compile([tf.keras.optimizers.Ftrl(0.05, l1_regularization_strength=0.01),
                        tf.keras.optimizers.Adagrad(0.1)], "binary_crossentropy",
                       metrics=["accuracy", tf.keras.metrics.AUC()])
-        history = model.fit([features, ids], y, batch_size=batch, epochs=2, verbose=0, shuffle=False)
+        path = os.path.join(SHARED_DIR or tempfile.mkdtemp(prefix="kp_wide_deep_"), "wide_deep_ckpt")
+        history = model.fit([features, ids], y, batch_size=batch, epochs=2, verbose=0, shuffle=False,
+                            callbacks=[tf.keras.callbacks.ModelCheckpoint(path, save_weights_only=True)])
+        model.fit([features, ids], y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
+        model.load_weights(path)
+        model.fit([features, ids], y, batch_size=batch, epochs=1, verbose=0, shuffle=False)
     model.logged = [np.array([history.history[key] for key in sorted(history.history)])]
     return model
 
