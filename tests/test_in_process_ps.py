@@ -173,7 +173,8 @@ def test_a_wide_deep_model_trains_with_a_list_of_optimizers_like_plain_keras(str
     """compile(optimizer=[linear's, DNN's]), as Keras documents WideDeepModel: the DNN's table moves onto the PS and
     its optimizer (the last of the list) updates it there, the linear part's Ftrl updates the replicated linear
     model; weights, Ftrl's and Adagrad's slots and the logs equal plain Keras' (before: refused at compile).
-    save_weights writes both optimizers' state as one process does; kparallax's checkpoints refuse a list.
+    save_weights writes both optimizers' state as one process does, strategy.load_model reads model.save's file as
+    Keras' load_model does; kparallax's checkpoints refuse a list.
     Asynchronous training and loss scaling are refused at compile."""
     ids, _ = _data()
     rng = np.random.default_rng(3)
@@ -234,6 +235,16 @@ def test_a_wide_deep_model_trains_with_a_list_of_optimizers_like_plain_keras(str
     for got_weight, want_weight in zip(resumed.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(got_weight, want_weight, rtol=1e-5, atol=1e-6)
     assert max(np.max(np.abs(a - b)) for a, b in zip(weights_only.get_weights(), plain.get_weights())) > 1e-3
+    # model.save writes what plain Keras writes, and strategy.load_model trains on from it as Keras' load_model does
+    # (Keras 2.15's .keras loader restores no state into a list of optimizers: both start fresh).
+    model.save(str(tmp_path / "m.keras"))
+    loaded, reference = strategy.load_model(str(tmp_path / "m.keras")), tf.keras.models.load_model(
+        str(tmp_path / "m.keras"))
+    assert strategy.is_ps_variable(loaded.dnn_model.layers[0].embeddings)
+    for trained in (loaded, reference):
+        trained.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    for got_weight, want_weight in zip(loaded.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(got_weight, want_weight, rtol=1e-5, atol=1e-6)
 
     # architecture="ps": the linear part's Ftrl would update PS variables; refused at the first step with the rule
     # that keeps them replicated, which then trains like plain Keras.
