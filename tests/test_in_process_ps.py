@@ -281,6 +281,10 @@ def test_a_wide_deep_model_trains_with_a_list_of_optimizers_like_plain_keras(str
     with strategy.scope():
         with pytest.raises(ValueError, match=r"empty list of optimizers"):
             _wide_deep(table=True).compile([], "mse")
+        shared = tf.keras.optimizers.Adam(0.01)
+        with pytest.raises(ValueError, match=r"same optimizer instance appears twice.*Received: optimizer="
+                                             r"\['Adam', 'Adam'\]"):
+            _wide_deep(table=True).compile([shared, shared], "mse")
 
 
 @pytest.mark.parametrize("case", ["partitions_3", "steps_per_execution_3", "backward_passes_2", "allreduce"])

@@ -338,6 +338,11 @@ def _check_optimizer_list(strategy, model, optimizers):
     if not optimizers:
         raise ValueError("compile received an empty list of optimizers. Received: optimizer=[]. Pass one optimizer, "
                          "or one per part of the model (Keras' WideDeepModel: [linear, dnn]).")
+    if any(o is optimizers[-1] for o in optimizers[:-1]) and not isinstance(optimizers[-1], str):
+        raise ValueError(
+            "The same optimizer instance appears twice in the list of optimizers: kparallax makes the last one its "
+            "own copy (it updates the PS variables), so the two would no longer share one state as they do in one "
+            f"process. Received: optimizer={names} with {names[-1]} repeated. Pass a separate instance per part.")
     if not strategy.options.sync:
         raise ValueError(
             f"A list of optimizers is not supported with sync=False: asynchronous training shares only one "
