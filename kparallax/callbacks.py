@@ -9,7 +9,6 @@ import tensorflow as tf
 from kparallax._compat import keras as keras_compat
 
 
-
 def _step(model):
     """The optimizer steps ``model`` has trained (of a compiled list of optimizers, the last one's)."""
     return int(keras_compat.step_optimizer(model).iterations.numpy())
@@ -161,11 +160,11 @@ class TensorBoardScalars(tf.keras.callbacks.Callback):
             for key, value in (logs or {}).items():
                 if isinstance(value, (int, float, np.number)):
                     tf.summary.scalar(key, float(value))
-            listed = keras_compat.optimizer_list(self.model.optimizer)
-            if listed is None:
-                tf.summary.scalar("learning_rate", _learning_rate(self.model.optimizer))
-            for index, optimizer in enumerate(listed or []):  # compile(optimizer=[...]): each one's
-                tf.summary.scalar(f"learning_rate/{index}", _learning_rate(optimizer))
+            listed = keras_compat.optimizer_list(self.model.optimizer)  # compile(optimizer=[...]): each one's
+            rates = ([("learning_rate", self.model.optimizer)] if listed is None else
+                     [(f"learning_rate/{index}", optimizer) for index, optimizer in enumerate(listed)])
+            for name, optimizer in rates:
+                tf.summary.scalar(name, _learning_rate(optimizer))
             tf.summary.scalar("bytes_per_step/dense", (dense - self._last[1]) / steps)
             tf.summary.scalar("bytes_per_step/sparse", (sparse - self._last[2]) / steps)
         self._last = (step, dense, sparse)

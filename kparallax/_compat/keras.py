@@ -107,17 +107,18 @@ def step_optimizer(model):
     return listed[-1] if listed else model.optimizer
 
 
-def listed_variables(model):
-    """For a model compiled with a list of optimizers, the variables each one applies gradients to, in the order its
-    ``train_step`` gives them, where Keras' own step fixes them: a ``WideDeepModel``'s ``[linear model's, DNN's]``
-    (Keras 2.15 ``premade_models/wide_deep.py``). None for any other model (a ``train_step`` of the user's)."""
+def step_optimizer_variables(model):
+    """For a model compiled with a list of optimizers, the variables the last one (``step_optimizer``) applies
+    gradients to, in the order its ``train_step`` gives them, where Keras' own step fixes them: a
+    ``WideDeepModel``'s DNN's (Keras 2.15 ``premade_models/wide_deep.py``; its linear model's go to the first). None
+    for any other model (a ``train_step`` of the user's)."""
     if not knows_listed_variables(model):
         return None
-    return [list(model.linear_model.trainable_variables), list(model.dnn_model.trainable_variables)]
+    return list(model.dnn_model.trainable_variables)
 
 
 def knows_listed_variables(model):
-    """Whether ``listed_variables`` tells them for ``model`` (once it is built)."""
+    """Whether ``step_optimizer_variables`` tells them for ``model`` (once it is built)."""
     return optimizer_list(model.optimizer) is not None and isinstance(model, tf.keras.experimental.WideDeepModel)
 
 

@@ -348,8 +348,7 @@ def _check_optimizer_list(strategy, model, optimizers):
             f"A list of optimizers is not supported with sync=False: asynchronous training shares only one "
             f"optimizer's updates, through the PS. Received: optimizer={names} with sync=False. Train with "
             "sync=True, or pass one optimizer.")
-    scaled = [name for name, o in zip(names, optimizers) if keras_compat.is_loss_scale_optimizer(o)]
-    if scaled or model.dtype_policy.name == "mixed_float16":
+    if any(keras_compat.is_loss_scale_optimizer(o) for o in optimizers) or model.dtype_policy.name == "mixed_float16":
         raise ValueError(
             "A list of optimizers with loss scaling (the mixed_float16 policy, or a LossScaleOptimizer in the list) "
             f"is not supported under HybridStrategy. Received: optimizer={names} for model {model.name!r} with "
@@ -412,8 +411,9 @@ def _placed(original, model, single, iterator):
         return single
     # The optimizer may hold slots for them already (built by a saver or a loader before the first step). Initial
     # ones (no step taken) are the state the PS-side copies start from; trained ones the move would lose.
-    held = [v for v in moving if keras_compat.holds_slots(keras_compat.step_optimizer(model), v)]
-    steps = int(keras_compat.step_optimizer(model).iterations.numpy())
+    optimizer = keras_compat.step_optimizer(model)
+    held = [v for v in moving if keras_compat.holds_slots(optimizer, v)]
+    steps = int(optimizer.iterations.numpy())
     if held and steps:
         names = [v.name for v in held]
         raise ValueError(
@@ -424,7 +424,7 @@ def _placed(original, model, single, iterator):
             f"so they are made where they belong, e.g. placement={{{placement.variable_path(held[0])!r}: 'ps'}} (or "
             "'replicated' to allgather their rows); saved state loads either way.")
     state.strategy.move_to_ps(model, moving)
-    _guard_tracking(state.strategy, model, keras_compat.step_optimizer(model))
+    _guard_tracking(state.strategy, model, optimizer)
     if state.strategy.is_chief and model.__dict__.get("_kparallax_announced"):
         print("kparallax: moved to PS (sparse gradients): " + "; ".join(
             "{} -> ps[{}]".format(*state.strategy.ps_info(v)) for v in moving), flush=True)

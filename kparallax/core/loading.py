@@ -42,9 +42,9 @@ def load_model(strategy, filepath, custom_objects=None, compile=True):  # pylint
     model.set_weights(plain.get_weights())
     compiled = keras_hooks.compiled(model)
     listed = keras_compat.optimizer_list(plain.optimizer)
-    if listed is not None and not any(int(o.iterations.numpy()) for o in listed):
-        pass  # Keras restored no state into a list of optimizers (Keras 2.15's .keras loader): both start fresh
-    elif compiled is not None and plain.optimizer is not None:
+    # Keras 2.15's .keras loader restores no state into a list of optimizers: then both start fresh.
+    fresh_list = listed is not None and not any(int(o.iterations.numpy()) for o in listed)
+    if compiled is not None and plain.optimizer is not None and not fresh_list:
         saving.refuse_optimizer_list(model, f"strategy.load_model({filepath!r}) with the optimizer state",
                                      keras_savers=False)
         source = plain.optimizer

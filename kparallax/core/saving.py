@@ -54,8 +54,8 @@ def refuse_direct_tracking(optimizer, save_type):
 def refuse_optimizer_list(model, received, keras_savers=True):
     """Raises for ``received`` (what would save or load the optimizer state) of a model compiled with a list of
     optimizers. Keras' savers and loaders (``keras_savers``) take such a list where kparallax can tell the variables
-    of each (``keras_compat.listed_variables``: Keras' ``WideDeepModel``'s): the one that updates the PS variables
-    is written as one process has it, its slots joined from the PS; kparallax's own checkpoints and
+    of the last one (``keras_compat.step_optimizer_variables``: Keras' ``WideDeepModel``'s): that one, which updates
+    the PS variables, is written as one process has it, its slots joined from the PS; kparallax's own checkpoints and
     ``strategy.load_model``'s optimizer state never take a list. The weights save and load either way."""
     listed = keras_compat.optimizer_list(model.optimizer)
     if listed is None or (keras_savers and keras_compat.knows_listed_variables(model)):
@@ -130,7 +130,7 @@ def whole_state(strategy, model, clones, restore=False):
                 model.optimizer, load_back = saved_optimizer.plain_optimizer(strategy, model, clones, wholes)
             else:  # the last one routes, the others are the user's own: Keras saves and loads them as they are
                 plain, load_back = saved_optimizer.plain_optimizer(
-                    strategy, model, clones, wholes, listed[-1], keras_compat.listed_variables(model)[-1])
+                    strategy, model, clones, wholes, listed[-1], keras_compat.step_optimizer_variables(model))
                 model.optimizer = [*listed[:-1], plain]
         try:
             yield
