@@ -9,13 +9,15 @@ import tensorflow as tf
 from kparallax.core import data
 
 
-def test_strided_shards_make_contiguous_global_batches():
+def test_shards_joined_in_worker_order_are_one_process_s_global_batches_in_its_order():
+    # Each worker keeps its contiguous part of each global batch. Before, worker i kept rows i, i+N, ...: the same
+    # rows in another order, so pairs of consecutive rows joined by a reshape were other pairs than one process's.
     x = np.arange(20)
-    shards = [data.shard_arrays(x, 2, i) for i in range(2)]
-    b = 3
-    for step in range(3):
-        union = np.concatenate([s[step * b:(step + 1) * b] for s in shards])
-        np.testing.assert_array_equal(np.sort(union), np.arange(step * 2 * b, (step + 1) * 2 * b))
+    for workers, b in ((2, 3), (3, 2)):
+        shards = [data.shard_arrays(x, workers, i, step_rows=b) for i in range(workers)]
+        for step in range(3):
+            joined = np.concatenate([s[step * b:(step + 1) * b] for s in shards])
+            np.testing.assert_array_equal(joined, np.arange(step * workers * b, (step + 1) * workers * b))
 
 
 def test_shards_are_equal_length_and_structures_are_kept():
@@ -34,8 +36,8 @@ def test_with_a_batch_size_the_last_partial_global_batch_is_shared_by_the_worker
     shards = [data.shard_arrays((x, x * 2), 2, i, batch_size=4) for i in range(2)]
     assert data.arrays_uneven((x, x * 2), 2, 4) and [len(s[0]) for s in shards] == [12, 11]
     for step in range(3):
-        union = np.concatenate([s[0][step * 4:(step + 1) * 4] for s in shards])
-        np.testing.assert_array_equal(np.sort(union), np.arange(step * 8, min(step * 8 + 8, 23)))
+        joined = np.concatenate([s[0][step * 4:(step + 1) * 4] for s in shards])
+        np.testing.assert_array_equal(joined, np.arange(step * 8, min(step * 8 + 8, 23)))
     np.testing.assert_array_equal(shards[1][1], shards[1][0] * 2)
     assert [len(data.shard_arrays(np.arange(25), 2, i, batch_size=4)) for i in range(2)] == [12, 12]
     assert not data.arrays_uneven(np.arange(25), 2, 4) and not data.arrays_uneven(np.arange(24), 2, 4)
@@ -53,13 +55,15 @@ def test_sparse_and_ragged_inputs_are_sharded_by_rows_like_dense_ones():
         sparse, ragged_part, expected = data.shard_arrays((tf.sparse.from_dense(dense), ragged, dense), 3, worker)
         assert isinstance(sparse, tf.SparseTensor)
         np.testing.assert_array_equal(tf.sparse.to_dense(sparse).numpy(), expected)
-        assert ragged_part.to_list() == [[r] * (r % 3) for r in range(worker, 6, 3)]
+        assert ragged_part.to_list() == [[r] * (r % 3) for r in range(2 * worker, 2 * worker + 2)]
         # With a batch size of 3, all 7 rows are kept (3 + 2 + 2): the sparse shard has its own row count.
         sparse, ragged_part, expected = data.shard_arrays((tf.sparse.from_dense(dense), ragged, dense), 3, worker,
                                                           batch_size=3)
         assert len(expected) == (3 if worker == 0 else 2)
         np.testing.assert_array_equal(tf.sparse.to_dense(sparse).numpy(), expected)
-        assert ragged_part.to_list() == [[r] * (r % 3) for r in range(worker, 7, 3)]
+        first = [0, 3, 5][worker]
+        assert ragged_part.to_list() == [[r] * (r % 3) for r in range(first, first + len(expected))]
+        np.testing.assert_array_equal(expected, dense[first:first + len(expected)])
 
 
 def _warnings_of(action):
@@ -102,13 +106,13 @@ def test_data_left_out_to_give_every_worker_the_same_steps_is_named_by_worker_0(
 def test_the_last_batches_of_an_odd_count_are_split_by_rows_as_one_process_batches_them():
     # 27 rows (ids, a sparse feature, y, weights) batched by 4: 7 batches, the last of 3 rows. One process with the
     # global batch of N * 4 rows trains on the same rows in each step: its last step's rows are those of the last
-    # 7 % N batches, which the workers' last batches share by striding.
+    # 7 % N batches, which the workers' last batches share in order (worker 0 the first part; before, by striding).
     dense = np.zeros((27, 5), np.float32)
     dense[np.arange(27), np.arange(27) % 5] = np.arange(1, 28)
     rows = ({"ids": np.arange(27 * 3, dtype=np.int64).reshape(27, 3), "s": tf.sparse.from_dense(dense)},
             np.arange(27), np.linspace(0.5, 1.5, 27).astype(np.float32))
     ds = tf.data.Dataset.from_tensor_slices(rows).batch(4).prefetch(1)
-    for workers, last_rows in ((2, [[24, 26], [25]]), (4, [[16, 20, 24], [17, 21, 25], [18, 22, 26], [19, 23]])):
+    for workers, last_rows in ((2, [[24, 25], [26]]), (4, [[16, 17, 18], [19, 20, 21], [22, 23, 24], [25, 26]])):
         assert _warnings_of(lambda n=workers: data.shard_dataset(ds, n, 0)) == []
         shards = [list(data.shard_dataset(ds, workers, i)) for i in range(workers)]
         assert {len(s) for s in shards} == {7 // workers + 1}
@@ -337,15 +341,14 @@ def test_a_sequence_is_sharded_by_whole_batches_and_keeps_its_epoch_end():
     # 7 batches (21 rows): the 7th batch's rows make the workers' last batches, as one process's last global batch.
     shards = [data.shard_sequence(_Rows(np.arange(21), 3), 2, i) for i in range(2)]
     assert [len(s) for s in shards] == [4, 4]
-    assert [shards[0][3].tolist(), shards[1][3].tolist()] == [[18, 20], [19]]
+    assert [shards[0][3].tolist(), shards[1][3].tolist()] == [[18, 19], [20]]  # in order: one process's last batch
     for step in range(4):
-        np.testing.assert_array_equal(np.sort(np.concatenate([s[step] for s in shards])),
-                                      np.arange(21)[step * 6:step * 6 + 6])
+        np.testing.assert_array_equal(np.concatenate([s[step] for s in shards]), np.arange(21)[step * 6:step * 6 + 6])
     # (x, y) batches of 17 rows by 4 over 3 workers: the last 2 batches' rows (4 + 1) are split 2 + 2 + 1.
     pairs = _Pairs(np.arange(17), 4)
     last = [data.shard_sequence(pairs, 3, i)[1] for i in range(3)]
-    assert [(x.tolist(), y.tolist()) for x, y in last] == [([12, 15], [-12, -15]), ([13, 16], [-13, -16]),
-                                                           ([14], [-14])]
+    assert [(x.tolist(), y.tolist()) for x, y in last] == [([12, 13], [-12, -13]), ([14, 15], [-14, -15]),
+                                                           ([16], [-16])]
     # Arrays whose shapes differ beyond the rows (padded to each batch's longest) are not joined: left out, said.
     [message] = _warnings_of(lambda: data.shard_sequence(_Padded(), 3, 0))
     assert "their arrays' shapes differ beyond the row count ([(2, 6), (1, 7)])" in message

@@ -1,14 +1,17 @@
 """How each worker reads its own shard of the training data.
 
 Arrays (``x``, ``y``, ``sample_weight``: NumPy arrays, tensors, ``tf.SparseTensor`` and ``tf.RaggedTensor`` inputs,
-or lists/dicts of them) are split by striding: worker ``i`` of ``N`` keeps rows ``i, i+N, i+2N, ...``. With
-``shuffle=False`` and per-worker ``batch_size=B``, step ``k`` then trains on exactly the rows ``[k*N*B, (k+1)*N*B)``
-of the original arrays: the global batch a single process would see with ``batch_size=N*B``, the partial last one
-included (the workers' last batches then differ by at most a row), unless it has fewer rows than workers.
+or lists/dicts of them) are split by global batches: with per-worker ``batch_size=B``, worker ``i`` of ``N`` keeps
+the ``i``-th contiguous part of each run of ``N*B`` rows (``dataset_split.part_bounds``). With ``shuffle=False``,
+step ``k`` then trains on exactly the rows ``[k*N*B, (k+1)*N*B)`` of the original arrays, the workers' batches
+(worker 0's first) in one process's order: the global batch a single process would see with ``batch_size=N*B``, the
+partial last one included (the workers' last batches then differ by at most a row), unless it has fewer rows than
+workers. (Before, worker ``i`` kept rows ``i, i+N, ...``: the same rows in another order, so rows joined by their
+order, pairs laid out row after row and reshaped into one entry, were other pairs than one process's.)
 
 A ``tf.data.Dataset`` (already batched, as Keras expects) is split by whole batches: worker ``i`` keeps batches
 ``i, i+N, ...`` (``Dataset.shard``). When the batch count is not a multiple of ``N``, the rows of the last
-``count % N`` batches (one process's last global batch) are split by striding into the workers' last batches, where
+``count % N`` batches (one process's last global batch) are split in order into the workers' last batches, where
 the dataset shows that they can be; otherwise those batches are left out, so that every worker runs the same number
 of steps. The batches of a ``padded_batch`` are padded to the longest in their step, as one process pads its global
 batch (``dataset_split``). A dataset of unknown length needs ``steps_per_epoch``.
@@ -60,19 +63,31 @@ def _kept_rows(rows, num_workers, batch_size):
     return rows - last if 0 < last < num_workers else rows
 
 
+def rows_per_step(structure, num_workers, batch_size, steps_per_epoch):
+    """The rows of each of a worker's steps over its shard of the arrays ``structure``, as Keras batches them: the
+    per-worker ``batch_size``, or without one ``ceil(rows / steps_per_epoch)`` of the shard's rows (the row count
+    cut to a multiple of N, as ``shard_arrays`` cuts it with ``steps_per_epoch``); None without arrays."""
+    rows = _row_count(structure)
+    if rows is None or batch_size:
+        return batch_size if rows is not None else None
+    return -(-(rows // num_workers) // steps_per_epoch)
+
+
 def arrays_uneven(structure, num_workers, batch_size):
     """Whether the workers' last batches of sharded arrays differ in size (their shards differ by a row)."""
     rows = _row_count(structure)
     return rows is not None and _kept_rows(rows, num_workers, batch_size) % num_workers != 0
 
 
-def shard_arrays(structure, num_workers, index, batch_size=None):
-    """Strided shard of every array in ``structure`` (None entries stay None): rows ``index, index + N, ...``.
+def shard_arrays(structure, num_workers, index, batch_size=None, step_rows=None):
+    """Worker ``index``'s shard of every array in ``structure`` (None entries stay None): its contiguous part of each
+    global batch of ``N * step_rows`` rows, in order (``step_rows``: the worker's rows per step, ``batch_size`` by
+    default; without either, one part of all the rows).
 
     With the per-worker ``batch_size``, step k's batches are the rows of one process's step k with batches of
-    ``N * batch_size``, its last, partial batch included (the workers' last batches may then differ by a row),
-    unless that batch has fewer rows than workers: then it is left out, with a warning from worker 0. Without one,
-    the row count is cut to a multiple of N."""
+    ``N * batch_size``, in its order, its last, partial batch included (the workers' last batches may then differ by
+    a row), unless that batch has fewer rows than workers: then it is left out, with a warning from worker 0. Without
+    one (``steps_per_epoch`` given), the row count is cut to a multiple of N."""
     n = _row_count(structure)
     if n is None:
         return structure
@@ -89,15 +104,25 @@ def shard_arrays(structure, num_workers, index, batch_size=None):
         logging.warning("fit trains on %d of the %d rows in each epoch: the last %d row(s), which one process would "
                         "train on, are left out: %s. Give a row count without such a remainder to train on every "
                         "row.", usable, n, n - usable, why)
-    return tf.nest.map_structure(
-        lambda a: None if a is None else dataset_split.stride(a, index, usable, num_workers), structure)
+    positions = _worker_rows(usable, num_workers, index, step_rows or batch_size or -(-usable // num_workers))
+    return tf.nest.map_structure(lambda a: None if a is None else dataset_split.take_rows(a, positions), structure)
+
+
+def _worker_rows(usable, num_workers, index, step_rows):
+    """The row numbers worker ``index`` keeps of ``usable`` rows: its part of each run of ``N * step_rows``."""
+    global_batch = num_workers * step_rows
+    runs = []
+    for start in range(0, usable, global_batch):
+        first, size = dataset_split.part_bounds(min(global_batch, usable - start), num_workers, index)
+        runs.append(np.arange(start + first, start + first + size))
+    return np.concatenate(runs)
 
 
 def shard_dataset(dataset, num_workers, index, steps_per_epoch=None):
     """Shards a batched dataset by whole batches so every worker runs the same number of steps.
 
     When the batch count is not a multiple of the workers, the last global batch is made of the rows of the last
-    ``batches % num_workers`` batches, split by striding (as arrays are split), where
+    ``batches % num_workers`` batches, split in order (as each global batch of arrays is), where
     ``dataset_split.last_rows_blocker`` finds nothing against it; otherwise those batches are left out, with a
     warning from worker 0 saying why. Batches of a ``padded_batch`` are padded to the longest in their step."""
     _check_shardable(dataset, num_workers)
@@ -129,7 +154,7 @@ def shard_dataset(dataset, num_workers, index, steps_per_epoch=None):
 
 class _SequenceShard(tf.keras.utils.Sequence):
     """Batches ``index, index + N, ...`` of a ``keras.utils.Sequence`` (whole batches, as a dataset is sharded) of its
-    first ``len - len % N``, then, with ``split_last``, one batch of the rows ``index, index + N, ...`` of its last
+    first ``len - len % N``, then, with ``split_last``, one batch of its part (in order) of the rows of its last
     ``len % N`` batches joined (one process's last global batch); its ``on_epoch_end`` is the sequence's, once per
     epoch on every worker."""
 
@@ -155,7 +180,9 @@ class _SequenceShard(tf.keras.utils.Sequence):
                              f"workers, as it found them when it started, and now it cannot: {blocker}. Give the "
                              f"Sequence a batch count that is a multiple of {self._n}.")
         joined = tf.nest.map_structure(lambda *parts: np.concatenate(parts), *batches)
-        return tf.nest.map_structure(lambda a: a[self._index::self._n], joined)
+        rows = len(tf.nest.flatten(joined)[0])
+        first, size = dataset_split.part_bounds(rows, self._n, self._index)
+        return tf.nest.map_structure(lambda a: a[first:first + size], joined)
 
     def on_epoch_end(self):
         # fit calls this at each epoch's end. Under fit(workers=K > 1) or use_multiprocessing, Keras' OrderedEnqueuer
@@ -195,7 +222,7 @@ def _sequence_rows_blocker(batches, num_workers):
 
 def shard_sequence(sequence, num_workers, index):
     """Worker ``index``'s shard of a ``keras.utils.Sequence``: its batches ``index, index + N, ...``, and when the
-    batch count is not a multiple of N, its rows ``index, index + N, ...`` of the last ``len % N`` batches (loaded
+    batch count is not a multiple of N, its part (in order) of the rows of the last ``len % N`` batches (loaded
     once here, to see that they can be split; otherwise they are left out, with a warning from worker 0)."""
     batches = len(sequence)
     blocker = None

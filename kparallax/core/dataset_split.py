@@ -6,13 +6,16 @@ it from one pass over the dataset (a ``scan`` over its enumerated batches, which
 ``Dataset.shard`` does):
 
 * **A batch count that is not a multiple of N.** One process's last global batch is the rows of the last
-  ``count % N`` batches. They are joined and split by striding (worker ``i`` keeps rows ``i, i+N, ...``), as arrays
-  are split, when ``last_rows_blocker`` finds nothing against it.
+  ``count % N`` batches. They are joined and split in order (worker ``i`` keeps the ``i``-th contiguous part, the
+  first ``rows % N`` parts a row longer: ``part``), as each global batch of arrays is split, when
+  ``last_rows_blocker`` finds nothing against it. The workers' parts, worker 0's first, are then one process's batch
+  in its order, which rows joined by their order (pairs laid out row after row, ``[B, d] -> [-1, 2, d]``) need.
 * **``padded_batch`` to each batch's longest element.** One process pads its global batch to the longest element in
   it; each worker's batch is padded to the longest in the step's ``N`` batches, with the dataset's padding values, so
   that a model that does not mask the padding (a pooling over time, a convolution) sees one process's inputs.
 """
 
+import numpy as np
 import tensorflow as tf
 
 from kparallax._compat import tf as tf_compat
@@ -62,7 +65,7 @@ def last_rows_blocker(dataset, batches, num_workers, padding=None):
 
 def split(dataset, batches, num_workers, index, padding=None):
     """Worker ``index``'s batches of ``dataset``: ``index, index + N, ...``, then, when ``batches`` (None: not known,
-    no end) is not a multiple of N, the rows ``index, index + N, ...`` of the last ``batches % N`` joined; with
+    no end) is not a multiple of N, its part (``part``) of the rows of the last ``batches % N`` joined; with
     ``padding`` (``padding_values``), each padded to the longest in its step's batches."""
     first_last = batches - batches % num_workers if batches is not None else None
     specs = tf.nest.flatten(dataset.element_spec)
@@ -102,7 +105,7 @@ def split(dataset, batches, num_workers, index, padding=None):
             end = tf.logical_or(end, position == batches - 1)
         out = _padded_to(kept, longest, pads, dataset.element_spec)
         if first_last is not None:
-            out = tf.cond(tf.logical_and(last, end), lambda: _striped(out, index, num_workers, batches - first_last),
+            out = tf.cond(tf.logical_and(last, end), lambda: _parted(out, index, num_workers, batches - first_last),
                           lambda: out)
         return (kept, longest), (end, out)
 
@@ -139,8 +142,8 @@ def _pad(tensor, inner, value):
     return tf.pad(tensor, paddings, constant_values=tf.cast(value, tensor.dtype))
 
 
-def _striped(structure, index, num_workers, last_batches):
-    """Rows ``index, index + N, ...`` of every component of the joined last batches."""
+def _parted(structure, index, num_workers, last_batches):
+    """Worker ``index``'s part (``part``) of every component of the joined last batches."""
     first = tf.nest.flatten(structure, expand_composites=False)[0]
     rows = first.dense_shape[0] if isinstance(first, tf.SparseTensor) else tf.shape(first, out_type=tf.int64)[0]
     check = tf.debugging.assert_greater_equal(
@@ -149,19 +152,48 @@ def _striped(structure, index, num_workers, last_batches):
                 f"and they hold fewer rows than workers (a map after the batch that changes its rows?): every worker "
                 f"needs a row in every step. Received: their row count")
     with tf.control_dependencies([check]):
-        return tf.nest.map_structure(lambda t: stride(t, index, rows, num_workers), structure)
+        return tf.nest.map_structure(lambda t: part(t, index, rows, num_workers), structure)
 
 
-def stride(t, index, usable, num_workers):
-    """Rows ``index, index + num_workers, ...`` below ``usable`` of ``t`` (an array, a dense, ragged or sparse
-    tensor): how arrays and the joined last batches of a dataset are split over the workers."""
-    if isinstance(t, tf.SparseTensor):  # not subscriptable: keep the rows' entries, renumber the rows
-        rows = t.indices[:, 0]
-        kept = tf.sparse.retain(t, tf.logical_and(rows < usable, rows % num_workers == index))
-        indices = tf.concat([kept.indices[:, :1] // num_workers, kept.indices[:, 1:]], axis=1)
-        count = tf.cast((usable - index + num_workers - 1) // num_workers, tf.int64)
-        return tf.SparseTensor(indices, kept.values, tf.concat([[count], t.dense_shape[1:]], axis=0))
-    return t[index:usable:num_workers]
+def part_bounds(rows, num_workers, index):
+    """(first, size) of worker ``index``'s part of ``rows`` rows split over ``num_workers`` workers in order: one
+    contiguous run each, the first ``rows % N`` one row longer. Python ints, or tensors of ``rows``' dtype."""
+    base, extra = rows // num_workers, rows % num_workers
+    if isinstance(rows, int):
+        return index * base + min(index, extra), base + int(index < extra)
+    index = tf.constant(index, rows.dtype)
+    return index * base + tf.minimum(index, extra), base + tf.cast(index < extra, rows.dtype)
+
+
+def part(t, index, rows, num_workers):
+    """Worker ``index``'s part (``part_bounds``) of the first ``rows`` rows of ``t`` (a dense, ragged or sparse
+    tensor): how the joined last batches of a dataset are split over the workers, so that the workers' parts,
+    worker 0's first, are one process's batch in its order."""
+    first, size = part_bounds(rows, num_workers, index)
+    if isinstance(t, tf.SparseTensor):  # not subscriptable: keep the part's entries, renumber its rows
+        row = t.indices[:, 0]
+        kept = tf.sparse.retain(t, tf.logical_and(row >= first, row < first + size))
+        indices = tf.concat([kept.indices[:, :1] - first, kept.indices[:, 1:]], axis=1)
+        return tf.SparseTensor(indices, kept.values, tf.concat([[size], t.dense_shape[1:]], axis=0))
+    return t[first:first + size]
+
+
+def take_rows(t, positions):
+    """The rows of ``t`` (an array, a dense, ragged or sparse tensor, a table with ``iloc``) at ``positions`` (a
+    sorted NumPy vector of row numbers), in that order."""
+    if isinstance(t, tf.SparseTensor):  # keep the rows' entries, renumber the rows
+        sorted_positions = tf.constant(positions, tf.int64)
+        row = t.indices[:, 0]
+        at = tf.searchsorted(sorted_positions, row, out_type=tf.int64)
+        found = tf.equal(tf.gather(sorted_positions, tf.minimum(at, len(positions) - 1)), row)
+        kept = tf.sparse.retain(t, found)
+        indices = tf.concat([tf.boolean_mask(at, found)[:, None], kept.indices[:, 1:]], axis=1)
+        return tf.SparseTensor(indices, kept.values, tf.concat([[len(positions)], t.dense_shape[1:]], axis=0))
+    if isinstance(t, (tf.Tensor, tf.RaggedTensor, tf.Variable)):
+        return tf.gather(t, positions)
+    if hasattr(t, "iloc"):  # a pandas DataFrame or Series
+        return t.iloc[positions]
+    return np.asarray(t)[positions]
 
 
 def _no_rows(spec):

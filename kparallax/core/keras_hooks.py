@@ -626,7 +626,9 @@ def _fit(original, model, *args, **kwargs):
         batch_size = a["batch_size"] or keras_compat.DEFAULT_BATCH_SIZE
         split_batch = None if a["steps_per_epoch"] else batch_size
         uneven = data_lib.arrays_uneven(arrays, n, split_batch)
-        a["x"], a["y"], a["sample_weight"] = data_lib.shard_arrays(arrays, n, index, split_batch)
+        # Each worker's part of each global batch, in order: their batches joined are one process's, in its order.
+        step_rows = data_lib.rows_per_step(arrays, n, a["batch_size"] or split_batch, a["steps_per_epoch"])
+        a["x"], a["y"], a["sample_weight"] = data_lib.shard_arrays(arrays, n, index, split_batch, step_rows)
         if a["validation_batch_size"] is None and data_lib.is_arrays(a["validation_data"]):
             # Validation runs the full arrays on every worker; one process's fit validates in batches of its
             # batch_size, which is the global batch here (a loss summed over the batch, a masked mean, depend on it).

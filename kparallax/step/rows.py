@@ -19,8 +19,8 @@ rows. When batches differ in size the step weights each worker's gradient by its
 (``global_losses``), so each worker's part is weighted by its own share before the sum and divided by the receiving
 worker's after it. Everywhere else (one process, one worker, ``evaluate`` / ``predict`` and validation, which see
 the whole input on every worker) it returns ``value`` and ``row_offset`` returns 0, so the same code runs in a plain
-process. The gathered rows are a permutation of one process's batch (each worker keeps rows ``i, i+N, ...``): a
-loss that does not depend on the candidates' order (a softmax over them) equals one process's. Called on a Keras
+process. The gathered rows are one process's batch in its order (each worker's batch is its contiguous part of the
+global batch: ``core/data.py``), and ``row_offset`` is each worker's first row's place in it. Called on a Keras
 tensor (a functional model being built), each returns a ``Lambda`` layer's output, so that the model calls it in
 every step (called directly, it would run once, at construction, and leave the model without it).
 

@@ -1679,12 +1679,19 @@ def _pair_difference_loss(y_true, y_pred):
 
 def paired_rows(scope, batch):
     """A compiled loss over pairs of consecutive rows (each reshaped into one entry: [B, 1] -> [-1, 2]), on a dataset
-    with a partial last batch whose parts (16 + 6 rows on the workers, 22 in one process) hold whole pairs."""
+    with a partial last batch whose parts (16 + 6 rows on the workers, 22 in one process) hold whole pairs; then on
+    arrays (``shuffle=False``; 120 rows: a last step of 12 + 12 rows, one process's 24), which each worker keeps
+    its part of each global batch of, in order, so that its pairs are one process's (before, worker i kept rows i,
+    i+N, ...: other pairs)."""
     model, history = _fit_on_partial_batches(
         scope, batch, 61, lambda: tf.keras.Sequential([tf.keras.layers.Embedding(VOCAB, EMB),
                                                       tf.keras.layers.GlobalAveragePooling1D(),
                                                       tf.keras.layers.Dense(1)]), 0.1, loss=_pair_difference_loss)
-    model.logged = [np.array(history.history["loss"])]
+    ids, rng = _ids(62)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    with scope():
+        arrays = model.fit(ids[:120], y[:120], batch_size=batch, epochs=2, shuffle=False, verbose=0)
+    model.logged = [np.array(history.history["loss"]), np.array(arrays.history["loss"])]
     return model
 
 
