@@ -19,6 +19,9 @@ GLOBAL = {  # loss functions of (y_true, y_pred) taking statistics of the batch 
         tf.reduce_sum(tf.abs(p - t) * tf.cast(t > 0, p.dtype)), tf.reduce_sum(tf.cast(t > 0, p.dtype))),
     "errors_over_the_batch_deviation": lambda t, p: tf.square(p - t) / tf.math.reduce_std(t, axis=0),
     "squared_mean_error": lambda t, p: tf.square(tf.reduce_mean(p - t)),
+    # the errors cut into entries of 3 across the rows ([B, 2] -> [-1, 3]; before, not followed: left as it was)
+    "root_mean_squared_error_of_entries_across_rows": lambda t, p: tf.sqrt(tf.reduce_mean(
+        tf.reduce_sum(tf.square(tf.reshape(p - t, [-1, 3])), axis=1))),
 }
 
 

@@ -45,7 +45,9 @@ EXPRESSIONS = {
     "rows joined in pairs, each pair's first": (lambda x, ids, w: tf.reshape(x, [-1, 2, 3])[:, 0], 0),
     "pairs of rows split back into rows": (lambda x, ids, w: tf.reshape(tf.reshape(x, [-1, 6]) * 2.0, [-1, 3]), 0),
     "rows joined into two entries": (lambda x, ids, w: tf.reshape(x, [2, -1]), UNKNOWN),
-    "a row and part of the next in one entry": (lambda x, ids, w: tf.reshape(x, [-1, 2]), UNKNOWN),
+    "a row and part of the next in one entry": (lambda x, ids, w: tf.reshape(x, [-1, 2]), 0),
+    "parts of rows in a count of entries computed": (
+        lambda x, ids, w: tf.reshape(x, tf.stack([tf.shape(x)[0] * 3 // 2, 2])), UNKNOWN),
     "rows of distinct ids, repeated": (lambda x, ids, w: tf.gather(tf.gather(w, tf.unique(ids)[0]), tf.unique(ids)[1]),
                                        0),
     "a set of distinct ids": (lambda x, ids, w: tf.unique(ids)[0], None),
@@ -446,3 +448,30 @@ def test_rows_joined_in_groups_count_a_fraction_of_an_entry_and_meet_past_the_re
             axes.follow(graph.get_operations()[first:])
             assert axes.axis(hardest) == UNKNOWN and [m.kind for m in axes.meetings] == ["pairwise"], rows
             assert [axes.entries(t) for t, _ in axes.meetings[0].checked] == [Fraction(1, 3)] * 2, rows
+
+
+def test_rows_cut_into_entries_of_another_size_count_a_fraction_and_meet_past_the_reshape():
+    """[B, 3] -> [-1, 2] (3/2 entries per row: an entry may hold the end of one row and the start of the next) and
+    [B, 3] -> [-1, 4] (3/4): each worker's part of the batch starts on an entry's edge (the parts before it filled whole
+    entries, else their reshape failed), so work per entry meets no rows, and joined back they are the rows again; a
+    softmax over the entries meets them (before, the reshape's output was UNKNOWN and that meeting was not seen),
+    checked on 3/2 entries per row."""
+    from fractions import Fraction  # pylint: disable=import-outside-toplevel
+    for rows in (None, 4):
+        graph = tf.Graph()
+        with graph.as_default():
+            x = tf.compat.v1.placeholder(tf.float32, [rows, 3])
+            first = len(graph.get_operations())
+            pairs, quads = tf.reshape(x, [-1, 2]), tf.reshape(x, [-1, 4])
+            per_pair = tf.reduce_sum(tf.square(pairs @ tf.ones([2, 2])), axis=1)
+            back, back_from_quads = tf.reshape(tf.nn.relu(pairs), [-1, 3]), tf.reshape(quads * 2.0, [-1, 3])
+            axes = row_axes.RowAxes((x,))
+            axes.follow(graph.get_operations()[first:])
+            got = [(axes.axis(t), axes.entries(t)) for t in (pairs, quads, per_pair, back, back_from_quads)]
+            assert got == [(0, Fraction(3, 2)), (0, Fraction(3, 4)), (0, Fraction(3, 2)), (0, 1), (0, 1)], (rows, got)
+            assert not axes.meetings, [m.op.name for m in axes.meetings]
+            first = len(graph.get_operations())
+            normalized = tf.nn.softmax(pairs, axis=0)
+            axes.follow(graph.get_operations()[first:])
+            assert [m.kind for m in axes.meetings] == ["softmax"] and axes.axis(normalized) == UNKNOWN, rows
+            assert [axes.entries(t) for t, _ in axes.meetings[0].checked] == [Fraction(3, 2)], rows

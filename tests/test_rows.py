@@ -151,6 +151,11 @@ MEETINGS = {
                                     "with MatMul over the rows of the batch in MatMul, a statistic of the batch"),
     "an_einsum_with_a_statistic": (lambda q, d, w: tf.einsum("bi,ij->bj", q, tf.einsum("bi,bj->ij", d, d)),
                                    "(Einsum combines rows of ("),
+    # entries cut across rows ([B, 3] -> [-1, 2]: an entry holds the end of one row and the start of the next),
+    # normalized over the batch's entries (before: not seen)
+    "entries_across_rows_normalized_over_the_batch": (
+        lambda q, d, w: tf.reshape(tf.nn.softmax(tf.reshape(q @ w, [-1, 2]), axis=0), [-1, 3]),
+        "(Softmax along the rows of the batch"),
     "pairs_joined_by_a_reshape_against_every_pair": (
         lambda q, d, w: tf.reduce_min(tf.norm(tf.reshape(q, [-1, 2, 3])[:, 0][:, None]
                                               - tf.reshape(q, [-1, 2, 3])[None, :, 1], axis=-1), axis=1),
@@ -202,6 +207,8 @@ def test_rows_meeting_a_gathered_side_or_each_alone_run():
                   lambda q, d, w: tf.reduce_sum(tf.square(tf.reduce_sum(tf.reshape(q, [-1, 2, 3]) * [[1.0], [-1.0]],
                                                                          axis=1)), axis=1),
                   lambda q, d, w: q[:tf.shape(d)[0]] - d, lambda q, d, w: tf.slice(q, [0, 0], [tf.shape(d)[0], 2]),
+                  lambda q, d, w: tf.reshape(tf.nn.softmax(tf.reshape(q @ w, [-1, 2])) - tf.reshape(d, [-1, 2]),
+                                             [-1, 3]),
                   lambda q, d, w: tf.reduce_sum(tf.math.reduce_prod(tf.split(tf.nn.relu(tf.concat([q, d], 0) @ w), 2),
                                                                     axis=0), axis=1)):
         assert _refusal(alone) is None

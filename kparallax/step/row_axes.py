@@ -10,7 +10,8 @@ order they were made, and gives each output one of:
 - ``ROW``: one row of the batch, an element of a list of its rows (what ``tf.map_fn``'s and ``tf.scan``'s
   function gets), and what is computed from it and values without rows;
 - ``UNKNOWN``: anything else the batch reaches (an op not followed here, a collective, parts of several rows
-  joined into one entry by a reshape, rows taken by their place: ``sliced`` below). Nothing is refused from it.
+  joined into one entry by a reshape into a count of entries not set by the batch, rows taken by their place:
+  ``sliced`` below). Nothing is refused from it.
 A list of tensors (a ``TensorArray``, a variant handle) made of a tensor's slices along an axis gets ``Listed``: its
 elements' rows' axis (a Keras RNN's time steps: the slices along an axis after the rows'), or ``ROW`` (the slices
 along the rows' axis: ``tf.map_fn``'s); stacked back, the rows are on the axis they came from.
@@ -26,8 +27,10 @@ loop's. A function or loop in a tape's backward pass is not followed.
 A reshape may split each row's values into several entries of the rows' axis (``[B, T, V] -> [B * T, V]``, as a
 sequence's cross-entropy does) and join them back (``[B * T] -> [B, T]``): ``entries`` counts them. It may also
 join k whole consecutive rows into one entry (``[B, d] -> [-1, 3, d]``: triplets laid out row after row; entries
-1/k): each worker's part of the batch then starts at a multiple of k (else its reshape fails, as one process's
-does on such a batch), so its groups are one process's, and what follows is followed as for rows.
+1/k), or cut the batch's values into entries of another size, an entry holding the end of one row and the start of
+the next (``[B, 3] -> [-1, 2]``: entries 3/2), its first size left to the batch (``-1``): each worker's part of the
+batch then starts on an entry's edge (else its reshape fails, as one process's does on such a batch: the parts
+before it each filled whole entries), so its entries are one process's, and what follows is followed as for rows.
 
 Tensors of the batch's rows joined along them (``tf.concat([z1, z2], axis=0)``: two views of the batch, as a
 contrastive loss joins them; ``tf.stack([z1, z2])`` flattened to ``[-1, d]``) hold the rows in ``blocks``, one after
@@ -300,8 +303,8 @@ class RowAxes:
         """Rows stay on axis 0 when each entry of the output's first axis holds values of one row of the batch: the
         other axes keep their size (``Flatten``, ``[-1, d]`` of ``[B, d]``), or a row's values are split into
         several entries (``[B, T, V] -> [-1, V]``: ``entries``) or joined back (``[B * T] -> [-1, T]``); or when
-        each entry holds k whole rows and the shape asks for as many entries as there are (``-1`` first:
-        ``[B, d] -> [-1, k, d]``)."""
+        the shape asks for as many entries as the batch's values fill (``-1`` first), each k whole rows (``[B, d] ->
+        [-1, k, d]``) or parts of consecutive rows (``[B, 3] -> [-1, 2]``)."""
         axis, before, after = axes[0], op.inputs[0].shape, _reshaped(op)
         if axis == STATISTIC and axes[1] is None:
             return [STATISTIC]
@@ -316,10 +319,8 @@ class RowAxes:
             return [UNKNOWN]
         per_row = self.entries(op.inputs[0]) * before[1:].num_elements()  # the values of one row of the batch
         entries = per_row / after[1:].num_elements()
-        if entries < 1 and (entries.numerator != 1 or not _first_size_left(op)):
-            return [UNKNOWN]  # an entry would hold parts of rows, or a count of entries not set by the batch
-        if entries.denominator != 1 and entries > 1:
-            return [UNKNOWN]  # an entry would hold the end of one row and the start of the next
+        if entries.denominator != 1 and not _first_size_left(op):
+            return [UNKNOWN]  # entries holding parts of rows, in a count not set by the batch
         if blocks > 1 and (entries / blocks).denominator != 1:
             return [UNKNOWN]  # an entry would hold rows of a block, or parts of two blocks
         self._set_rows(op.outputs[0], entries, blocks)
