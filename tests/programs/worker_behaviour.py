@@ -350,7 +350,7 @@ if mode == "ps_write_unseen":
         else:
             sys.exit("a write of a PS variable the workers did not meet after trained silently")
 if mode in ("batch_norm_global", "batch_norm_per_worker"):
-    # rows 0..7 as one feature: worker 0 keeps rows 0, 2, 4, 6 (mean 3), worker 1 rows 1, 3, 5, 7 (mean 4); with
+    # rows 0..7 as one feature: worker 0 keeps rows 0-3 (mean 1.5), worker 1 rows 4-7 (mean 5.5); with
     # momentum 0 the moving mean after one step is the mean the step normalized with.
     import numpy as np  # pylint: disable=import-outside-toplevel
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
