@@ -67,10 +67,10 @@ def rows_per_step(structure, num_workers, batch_size, steps_per_epoch):
     """The rows of each of a worker's steps over its shard of the arrays ``structure``, as Keras batches them: the
     per-worker ``batch_size``, or without one ``ceil(rows / steps_per_epoch)`` of the shard's rows (the row count
     cut to a multiple of N, as ``shard_arrays`` cuts it with ``steps_per_epoch``); None without arrays."""
+    if batch_size:
+        return batch_size
     rows = _row_count(structure)
-    if rows is None or batch_size:
-        return batch_size if rows is not None else None
-    return -(-(rows // num_workers) // steps_per_epoch)
+    return None if rows is None else -(-(rows // num_workers) // steps_per_epoch)
 
 
 def arrays_uneven(structure, num_workers, batch_size):
@@ -181,8 +181,7 @@ class _SequenceShard(tf.keras.utils.Sequence):
                              f"Sequence a batch count that is a multiple of {self._n}.")
         joined = tf.nest.map_structure(lambda *parts: np.concatenate(parts), *batches)
         rows = len(tf.nest.flatten(joined)[0])
-        first, size = dataset_split.part_bounds(rows, self._n, self._index)
-        return tf.nest.map_structure(lambda a: a[first:first + size], joined)
+        return tf.nest.map_structure(lambda a: dataset_split.part(a, self._index, rows, self._n), joined)
 
     def on_epoch_end(self):
         # fit calls this at each epoch's end. Under fit(workers=K > 1) or use_multiprocessing, Keras' OrderedEnqueuer

@@ -167,8 +167,8 @@ def part_bounds(rows, num_workers, index):
 
 def part(t, index, rows, num_workers):
     """Worker ``index``'s part (``part_bounds``) of the first ``rows`` rows of ``t`` (a dense, ragged or sparse
-    tensor): how the joined last batches of a dataset are split over the workers, so that the workers' parts,
-    worker 0's first, are one process's batch in its order."""
+    tensor, an array): how the joined last batches of a dataset or Sequence are split over the workers, so that the
+    workers' parts, worker 0's first, are one process's batch in its order."""
     first, size = part_bounds(rows, num_workers, index)
     if isinstance(t, tf.SparseTensor):  # not subscriptable: keep the part's entries, renumber its rows
         row = t.indices[:, 0]
