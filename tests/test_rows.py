@@ -23,6 +23,7 @@ from kparallax.step import rows_meet
 
 PROGRAM = os.path.join(os.path.dirname(__file__), "programs", "in_batch_negatives.py")
 STATISTICS_PROGRAM = os.path.join(os.path.dirname(__file__), "programs", "batch_statistic_losses.py")
+PAIRS_PROGRAM = os.path.join(os.path.dirname(__file__), "programs", "paired_parts.py")
 
 
 def test_outside_a_training_step_all_gather_is_the_identity_and_the_offset_zero():
@@ -422,6 +423,66 @@ def test_the_step_s_collectives_wait_for_its_checks():
     assert lines["read_by_the_check"] == "HorovodAllreduce []", lines
     assert lines["after"] == "HorovodAllreduce ['Assert']", lines
     assert lines["PartitionedCall"] == "PartitionedCall ['Assert']", lines  # an allgather in a function it calls
+
+
+def _parted(reshape, rows, workers=2):
+    """``reshape(x)`` of a batch x of ``rows`` rows x 3 (its size unknown while tracing), traced under
+    ``rows_meet.refused`` for ``workers``: the error's message, or None when the step runs."""
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float32)])
+    def step(x):
+        with rows_meet.refused(workers, 1, (x,)):
+            return reshape(x)
+
+    try:
+        step(tf.ones([rows, 3]))
+    except tf.errors.InvalidArgumentError as error:
+        return error.message
+    return None
+
+
+ENTRIES = {  # a reshape into entries holding k whole rows, or parts of consecutive rows, its first size left
+    "pairs": (lambda x: tf.reduce_sum(tf.reshape(x, [-1, 2, 3]), axis=1),
+              "(a reshape of (None, 3) into (None, 2, 3): 1/2 entries per row of the batch, whole on a multiple of 2 "
+              "rows)", "Make every global batch a multiple of 4 rows (a per-worker batch_size a multiple of 2"),
+    "values_cut_across_rows": (lambda x: tf.reshape(tf.reshape(x, [-1, 2]) * 2.0, [-1, 3]),
+                               "(a reshape of (None, 3) into (None, 2): 3/2 entries per row of the batch, whole on a "
+                               "multiple of 2 rows)", "Make every global batch a multiple of 4 rows"),
+    "triplets": (lambda x: tf.reshape(x, [-1, 3, 3])[:, 0],
+                 "1/3 entries per row of the batch, whole on a multiple of 3 rows", "a multiple of 6 rows"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ENTRIES))
+def test_a_worker_s_part_that_does_not_fill_whole_entries_is_refused_before_its_reshape(name):
+    # A global batch of 22 rows in pairs is split 11 + 11 on 2 workers: before, each worker's reshape failed with
+    # TensorFlow's error about value counts ("Input to reshape is a tensor with 33 values ..."), on a batch one
+    # process trains on. Now kparallax's check runs before the reshape and says why and what to change.
+    reshape, shape, fix = ENTRIES[name]
+    rows = 6 if name == "triplets" else 4
+    assert _parted(reshape, rows) is None
+    message = _parted(reshape, rows + 1)
+    assert message is not None and "The part of the batch on this worker does not fill whole entries of " in message
+    assert shape in message and fix in message, message
+    assert "Received: a part of the rows below in the training step of a job of 2 workers." in message
+    assert f"] [{rows + 1}]" in message  # the part's rows
+    alone = _parted(reshape, rows + 1, workers=1)  # one process: the reshape's own error, no check of kparallax's
+    assert "Input to reshape is a tensor with" in alone and "does not fill whole entries" not in alone
+
+
+@pytest.mark.multiprocess
+def test_a_pair_loss_whose_last_global_batch_leaves_a_worker_half_a_pair_is_refused(tmp_path):
+    # 54 rows, a global batch of 32: one process trains on a last batch of 22 rows (11 pairs); each of 2 workers
+    # gets 11 of them. Before, both failed in the loss's reshape with TensorFlow's error about value counts.
+    plain = subprocess.run([sys.executable, PAIRS_PROGRAM, str(tmp_path), "reference"], capture_output=True,
+                           text=True, timeout=240)
+    assert plain.returncode == 0 and os.path.exists(tmp_path / "paired.npz"), plain.stderr[-3000:]
+    os.remove(tmp_path / "paired.npz")
+    _assert_refused(tmp_path, ["kparallax"], (
+        "The part of the batch on this worker does not fill whole entries of pair_difference_loss/Reshape",  # or _1
+        "(a reshape of (None, 1) into (None, 2): 1/2 entries per row of the batch, whole on a multiple of 2 rows)",
+        "Received: a part of the rows below in the training step of a job of 2 workers. Make every global batch a "
+        "multiple of 4 rows", "] [11]"), program=PAIRS_PROGRAM)
 
 
 def test_rows_meeting_in_a_branch_not_taken_or_alone_in_a_function_run():

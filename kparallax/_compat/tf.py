@@ -465,6 +465,17 @@ def add_control_inputs(op, controls):
     op._add_control_inputs(controls)  # pylint: disable=protected-access
 
 
+def run_independently(op):
+    """Keeps stateful graph op ``op`` (an ``Assert``) out of the chain in which a ``tf.function``'s automatic control
+    dependencies run its stateful ops without resource inputs in the order they were made (TF 2.15:
+    ``FuncGraph.experimental_acd_manager.run_independently``); it still runs before the function returns. Without
+    that, an ``Assert`` made after ops it must run before (and given control edges to them) would close a cycle
+    through the ``Assert`` made before it. Nothing in a graph without that chain (no manager)."""
+    manager = getattr(op.graph, "experimental_acd_manager", None)
+    if manager is not None:
+        manager.run_independently(op)
+
+
 def computed_from(tensor):
     """The tensors graph tensor ``tensor`` is computed from: for a placeholder a tf.function or cond/while body
     captured, the enclosing graph's tensor (``captured_from``); else its op's inputs. Nothing for an eager value or

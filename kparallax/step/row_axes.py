@@ -170,6 +170,17 @@ class Meeting:
 
 
 @dataclasses.dataclass(frozen=True)
+class Cut:
+    """A reshape ``op`` of the batch's rows into entries of ``values`` values each, ``entries`` (a ``Fraction`` not
+    whole) per row of the batch: 1/k for k whole rows per entry, 3/2 for ``[B, 3] -> [-1, 2]``. It runs only on a
+    part of the batch whose rows fill whole entries (a multiple of ``entries.denominator`` rows)."""
+
+    op: object
+    entries: fractions.Fraction
+    values: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Listed:
     """The rows' axis of a list of tensors (a ``TensorArray``'s, a ``tf.while_loop``'s list; a variant handle):
     ``element``, each element's rows' axis (a Keras RNN's inputs, one time step each, and its outputs), or ``ROW``:
@@ -196,6 +207,7 @@ class RowAxes:
         self._own = set()  # the names of ops whose outputs' entries and blocks their own rule set (not ``_merge``)
         self._listed_from = {}  # a list's ref -> (the tensor it was made of, that tensor's rows' axis)
         self._row_indices = set()  # the refs of the indices a list of rows was read at
+        self.cuts = []  # Cut: each reshape of the step's own graph into entries holding parts of rows or whole rows
 
     def follow(self, ops):
         """Follows graph ``ops`` (each after the ops it reads), recording ``meetings``. The outputs of
@@ -323,6 +335,8 @@ class RowAxes:
             return [UNKNOWN]  # entries holding parts of rows, in a count not set by the batch
         if blocks > 1 and (entries / blocks).denominator != 1:
             return [UNKNOWN]  # an entry would hold rows of a block, or parts of two blocks
+        if entries.denominator != 1 and not self._depth and BACKWARD not in f"/{op.name}":
+            self.cuts.append(Cut(op, entries, after[1:].num_elements()))
         self._set_rows(op.outputs[0], entries, blocks)
         return [0]
 

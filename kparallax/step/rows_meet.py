@@ -35,6 +35,12 @@ of the reduced tensor, where a loss the step differentiates is computed from it 
 loss changes no weight. A loss function compiled with the model gets here only what ``batch_statistics`` could not
 make global.
 
+A reshape of the batch's rows into entries holding k whole rows or parts of consecutive rows (``row_axes.Cut``:
+pairs laid out row after row, ``[B, 3] -> [-1, 2]``) gets a check that runs before it: the worker's part of the
+batch fills whole entries. One process reshapes the global batch; the workers' parts of it differ by a row at most
+(the data split), so a part of a global batch that one process reshapes may not fill them (22 rows in pairs, 11 on
+each of 2 workers), and the reshape would fail with TensorFlow's error about value counts instead of saying why.
+
 The step's Horovod collectives that its checks do not read run after them (``checked_first``), so each worker fails
 on its own check, not in a collective another worker's failed check left.
 """
@@ -100,13 +106,41 @@ def refused(num_workers, micro_batches, data):
     checks = [(held, (), message) for *held, message in checks]
     checks.extend((meeting.checked, meeting.when + _taking_part(meeting), _meeting_message(meeting, where))
                   for meeting in [m for m in meetings if m.checked][:_MOST_CHECKS])
-    rows = tf.cast(keras_losses.batch_rows(data), tf.int32) if checks else None
+    rows = tf.cast(keras_losses.batch_rows(data), tf.int32) if checks or axes.cuts else None
     for held, when, message in checks:  # each held tensor with as many rows as the batch (times its entries per row)
         every = tf.reduce_all(tf.stack([_holds_every_row(t, axis, rows, axes.entries(t)) for t, axis in held]
                                        + [tf.equal(tf.cast(p, tf.bool), taken) for p, taken in when]))
-        check = tf.debugging.Assert(tf.logical_not(every), [message])
-        if getattr(_ACTIVE, "asserts", None) is not None:
-            _ACTIVE.asserts.append(check)  # an op: the Assert itself, its data being strings
+        _kept(tf.debugging.Assert(tf.logical_not(every), [message]))
+    for cut in axes.cuts[:_MOST_CHECKS]:
+        _kept(_whole_entries(cut, rows, num_workers, micro_batches, where))
+
+
+def _kept(check):
+    """Keeps ``check`` (an ``Assert`` op) for ``checked_first``: the step's collectives wait for it."""
+    if getattr(_ACTIVE, "asserts", None) is not None:
+        _ACTIVE.asserts.append(check)
+    return check
+
+
+def _whole_entries(cut, rows, num_workers, micro_batches, where):
+    """The check that runs before the reshape ``cut.op`` (``row_axes.Cut``): this worker's part of the batch
+    (``rows`` rows) fills whole entries. One process reshapes the global batch, each worker its own contiguous part
+    of it (the parts of a partial last batch a row apart at most, whatever the entries): without the check the
+    worker's reshape fails with TensorFlow's error about value counts, on a batch one process trains on."""
+    op, multiple = cut.op, cut.entries.denominator
+    fits = tf.equal(tf.size(op.inputs[0], out_type=tf.int64) % cut.values, 0)
+    parts = num_workers * micro_batches
+    message = (f"The part of the batch on this worker does not fill whole entries of {op.name} (a reshape of "
+               f"{op.inputs[0].shape} into {op.outputs[0].shape}: {cut.entries} entries per row of the batch, whole "
+               f"on a multiple of {multiple} rows). One process reshapes the global batch, each worker its own "
+               f"contiguous part of it ({parts} parts in all, a row apart at most, whatever the entries). Received: a part of the rows below in the training step of {where}. Make every global "
+               f"batch a multiple of {parts * multiple} rows (a per-worker batch_size a multiple of "
+               f"{micro_batches * multiple}, and a row count filling the last global batch so), or drop the partial "
+               "last batch: Dataset.batch(..., drop_remainder=True), or fewer rows to fit.")
+    check = tf.debugging.Assert(fits, [message, rows])
+    tf_compat.run_independently(check)  # not after the step's earlier checks (past the reshape): no cycle
+    tf_compat.add_control_inputs(op, [check])
+    return check
 
 
 def _taking_part(meeting):
