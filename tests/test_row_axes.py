@@ -46,8 +46,11 @@ EXPRESSIONS = {
     "pairs of rows split back into rows": (lambda x, ids, w: tf.reshape(tf.reshape(x, [-1, 6]) * 2.0, [-1, 3]), 0),
     "rows joined into two entries": (lambda x, ids, w: tf.reshape(x, [2, -1]), UNKNOWN),
     "a row and part of the next in one entry": (lambda x, ids, w: tf.reshape(x, [-1, 2]), 0),
+    # its first size can only be the values over 2, as -1 gives (before: unknown, a meeting past it missed)
     "parts of rows in a count of entries computed": (
-        lambda x, ids, w: tf.reshape(x, tf.stack([tf.shape(x)[0] * 3 // 2, 2])), UNKNOWN),
+        lambda x, ids, w: tf.reshape(x, tf.stack([tf.shape(x)[0] * 3 // 2, 2])), 0),
+    "pairs of rows in a count of entries computed": (
+        lambda x, ids, w: tf.reshape(x, tf.stack([tf.shape(x)[0] // 2, 2, 3]))[:, 1], 0),
     "rows of distinct ids, repeated": (lambda x, ids, w: tf.gather(tf.gather(w, tf.unique(ids)[0]), tf.unique(ids)[1]),
                                        0),
     "a set of distinct ids": (lambda x, ids, w: tf.unique(ids)[0], None),
@@ -475,3 +478,15 @@ def test_rows_cut_into_entries_of_another_size_count_a_fraction_and_meet_past_th
             axes.follow(graph.get_operations()[first:])
             assert [m.kind for m in axes.meetings] == ["softmax"] and axes.axis(normalized) == UNKNOWN, rows
             assert [axes.entries(t) for t, _ in axes.meetings[0].checked] == [Fraction(3, 2)], rows
+            # In a count computed from the batch's size, or a constant one on a batch of static size: the same
+            # entries (the first size can only be the values over the rest's), a softmax over them the same meeting.
+            first = len(graph.get_operations())
+            computed = tf.reshape(x, tf.stack([tf.shape(x)[0] * 3 // 2, 2]))
+            joined = tf.reshape(x, [2, 6]) if rows else tf.reshape(x, [-1, 6])
+            normalized = tf.nn.softmax(computed, axis=0)
+            axes.follow(graph.get_operations()[first:])
+            assert [(axes.axis(t), axes.entries(t)) for t in (computed, joined)] == [
+                (0, Fraction(3, 2)), (0, Fraction(1, 2))], rows
+            assert [m.kind for m in axes.meetings] == ["softmax"] * 2 and axes.axis(normalized) == UNKNOWN, rows
+            assert [cut.entries for cut in axes.cuts] == [Fraction(3, 2), Fraction(3, 4), Fraction(3, 2),
+                                                          Fraction(1, 2)], rows

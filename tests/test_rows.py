@@ -157,6 +157,10 @@ MEETINGS = {
     "entries_across_rows_normalized_over_the_batch": (
         lambda q, d, w: tf.reshape(tf.nn.softmax(tf.reshape(q @ w, [-1, 2]), axis=0), [-1, 3]),
         "(Softmax along the rows of the batch"),
+    # the same in a count of entries computed from the batch's size (before: not seen)
+    "entries_in_a_computed_count_normalized_over_the_batch": (
+        lambda q, d, w: tf.nn.softmax(tf.reshape(q @ w, tf.stack([tf.shape(q)[0] * 3 // 2, 2])), axis=0),
+        "(Softmax along the rows of the batch"),
     "pairs_joined_by_a_reshape_against_every_pair": (
         lambda q, d, w: tf.reduce_min(tf.norm(tf.reshape(q, [-1, 2, 3])[:, 0][:, None]
                                               - tf.reshape(q, [-1, 2, 3])[None, :, 1], axis=-1), axis=1),

@@ -10,7 +10,7 @@ order they were made, and gives each output one of:
 - ``ROW``: one row of the batch, an element of a list of its rows (what ``tf.map_fn``'s and ``tf.scan``'s
   function gets), and what is computed from it and values without rows;
 - ``UNKNOWN``: anything else the batch reaches (an op not followed here, a collective, parts of several rows
-  joined into one entry by a reshape into a count of entries not set by the batch, rows taken by their place:
+  joined into one entry by a reshape leaving a size after the first to the input's, rows taken by their place:
   ``sliced`` below). Nothing is refused from it.
 A list of tensors (a ``TensorArray``, a variant handle) made of a tensor's slices along an axis gets ``Listed``: its
 elements' rows' axis (a Keras RNN's time steps: the slices along an axis after the rows'), or ``ROW`` (the slices
@@ -28,9 +28,11 @@ A reshape may split each row's values into several entries of the rows' axis (``
 sequence's cross-entropy does) and join them back (``[B * T] -> [B, T]``): ``entries`` counts them. It may also
 join k whole consecutive rows into one entry (``[B, d] -> [-1, 3, d]``: triplets laid out row after row; entries
 1/k), or cut the batch's values into entries of another size, an entry holding the end of one row and the start of
-the next (``[B, 3] -> [-1, 2]``: entries 3/2), its first size left to the batch (``-1``): each worker's part of the
-batch then starts on an entry's edge (else its reshape fails, as one process's does on such a batch: the parts
-before it each filled whole entries), so its entries are one process's, and what follows is followed as for rows.
+the next (``[B, 3] -> [-1, 2]``: entries 3/2), its first size left to the batch (``-1``; or computed, or a
+constant on a batch of static size, the later sizes asked for: it can only be what ``-1`` gives): each worker's
+part of the batch then starts on an entry's edge (the parts before it each filled whole entries: a part that does
+not is refused before the reshape, ``cuts``), so its entries are one process's, and what follows is followed as
+for rows.
 
 Tensors of the batch's rows joined along them (``tf.concat([z1, z2], axis=0)``: two views of the batch, as a
 contrastive loss joins them; ``tf.stack([z1, z2])`` flattened to ``[-1, d]``) hold the rows in ``blocks``, one after
@@ -331,7 +333,7 @@ class RowAxes:
             return [UNKNOWN]
         per_row = self.entries(op.inputs[0]) * before[1:].num_elements()  # the values of one row of the batch
         entries = per_row / after[1:].num_elements()
-        if entries.denominator != 1 and not _first_size_left(op):
+        if entries.denominator != 1 and not (_first_size_left(op) or _rest_asked(op)):
             return [UNKNOWN]  # entries holding parts of rows, in a count not set by the batch
         if blocks > 1 and (entries / blocks).denominator != 1:
             return [UNKNOWN]  # an entry would hold rows of a block, or parts of two blocks
@@ -878,6 +880,22 @@ def _first_size_left(op):
         value = _constant(shape)
         first = None if value is None or not np.ndim(value) or not np.size(value) else np.ravel(value)[0]
     return first is not None and int(np.ravel(first)[0]) == -1
+
+
+def _rest_asked(op):
+    """Whether a ``Reshape``'s shape input asks for each size after the first, known while tracing (a constant, a
+    static dimension read by ``tf.shape``; not ``-1``): then its first size, however computed
+    (``tf.reshape(x, [tf.shape(x)[0] * 3 // 2, 2])``, a constant on a batch of static size), can only be the input's
+    values over theirs, as ``-1`` gives, or the reshape fails."""
+    shape = op.inputs[1]
+    if shape.op.type == "Pack":
+        sizes = [_size(x) for x in shape.op.inputs[1:]]
+    else:
+        value = _constant(shape)
+        if value is None or np.ndim(value) != 1:
+            return False
+        sizes = [int(size) for size in np.ravel(value)[1:]]
+    return all(size is not None and size >= 0 for size in sizes)
 
 
 def _reshaped(op):

@@ -133,10 +133,11 @@ def _whole_entries(cut, rows, num_workers, micro_batches, where):
     message = (f"The part of the batch on this worker does not fill whole entries of {op.name} (a reshape of "
                f"{op.inputs[0].shape} into {op.outputs[0].shape}: {cut.entries} entries per row of the batch, whole "
                f"on a multiple of {multiple} rows). One process reshapes the global batch, each worker its own "
-               f"contiguous part of it ({parts} parts in all, a row apart at most, whatever the entries). Received: a part of the rows below in the training step of {where}. Make every global "
-               f"batch a multiple of {parts * multiple} rows (a per-worker batch_size a multiple of "
-               f"{micro_batches * multiple}, and a row count filling the last global batch so), or drop the partial "
-               "last batch: Dataset.batch(..., drop_remainder=True), or fewer rows to fit.")
+               f"contiguous part of it ({parts} parts in all, a row apart at most, whatever the entries). Received: "
+               f"a part of the rows below in the training step of {where}. Make every global batch a multiple of "
+               f"{parts * multiple} rows (a per-worker batch_size a multiple of {micro_batches * multiple}, and a row "
+               "count filling the last global batch so), or drop the partial last batch: Dataset.batch(..., "
+               "drop_remainder=True), or fewer rows to fit.")
     check = tf.debugging.Assert(fits, [message, rows])
     tf_compat.run_independently(check)  # not after the step's earlier checks (past the reshape): no cycle
     tf_compat.add_control_inputs(op, [check])
