@@ -429,13 +429,13 @@ def test_the_step_s_collectives_wait_for_its_checks():
     assert lines["PartitionedCall"] == "PartitionedCall ['Assert']", lines  # an allgather in a function it calls
 
 
-def _parted(reshape, rows, workers=2):
+def _parted(reshape, rows, workers=2, micro_batches=1):
     """``reshape(x)`` of a batch x of ``rows`` rows x 3 (its size unknown while tracing), traced under
-    ``rows_meet.refused`` for ``workers``: the error's message, or None when the step runs."""
+    ``rows_meet.refused`` for ``workers`` and ``micro_batches``: the error's message, or None when the step runs."""
 
     @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float32)])
     def step(x):
-        with rows_meet.refused(workers, 1, (x,)):
+        with rows_meet.refused(workers, micro_batches, (x,)):
             return reshape(x)
 
     try:
@@ -472,6 +472,10 @@ def test_a_worker_s_part_that_does_not_fill_whole_entries_is_refused_before_its_
     assert f"] [{rows + 1}]" in message  # the part's rows
     alone = _parted(reshape, rows + 1, workers=1)  # one process: the reshape's own error, no check of kparallax's
     assert "Input to reshape is a tensor with" in alone and "does not fill whole entries" not in alone
+    accumulating = _parted(reshape, rows + 1, workers=1, micro_batches=2)  # each micro-batch a part
+    multiple = 3 if name == "triplets" else 2
+    assert (f"a job of 1 worker(s) accumulating backward_passes_per_step=2 micro-batches. Make every global batch a "
+            f"multiple of {2 * multiple} rows (a per-worker batch_size a multiple of {2 * multiple}") in accumulating
 
 
 @pytest.mark.multiprocess
