@@ -24,7 +24,6 @@ from kparallax.step import rows_meet
 PROGRAM = os.path.join(os.path.dirname(__file__), "programs", "in_batch_negatives.py")
 STATISTICS_PROGRAM = os.path.join(os.path.dirname(__file__), "programs", "batch_statistic_losses.py")
 PAIRS_PROGRAM = os.path.join(os.path.dirname(__file__), "programs", "paired_parts.py")
-JOINED_PROGRAM = os.path.join(os.path.dirname(__file__), "programs", "joined_rows.py")
 
 
 def test_outside_a_training_step_all_gather_is_the_identity_and_the_offset_zero():
@@ -538,10 +537,6 @@ def _loss_refusal(loss, rows=None, workers=2, micro_batches=1, logged=None, grap
 # Losses taking rows by their place in the batch (row_axes' ``sliced``): each form, and its message's fragment.
 # Before: not seen.
 TAKEN_LOSSES = {
-    # a weight's entries joined after the batch's rows, one mean over both (before: not seen)
-    "a_weight_joined_after_the_rows": (
-        lambda q, d, w: tf.reduce_mean(tf.concat([tf.reduce_sum(q @ w, axis=1), tf.reshape(w, [-1])], 0)),
-        "(ConcatV2 joins entries of something else than the batch to the rows of the batch, along axis 0"),
     "the_first_row_as_an_anchor": (lambda q, d, w: tf.reduce_mean(tf.square((q - q[:1]) @ w)),
                                    "(StridedSlice takes rows of the batch by their place in it, axis 0 of its input ("),
     "a_batch_in_halves_split": (lambda q, d, w: tf.reduce_mean(tf.square((tf.split(q, 2)[0] - tf.split(q, 2)[1]) @ w)),
@@ -865,17 +860,6 @@ def test_a_tf_distribute_replica_gather_in_the_training_step_is_refused(tmp_path
         "tf.distribute.get_replica_context().all_gather in kparallax's training step gathers nothing",
         "Received: all_gather of a value of shape (None, 4) along axis 0 in the training step of a job of 2 workers. "
         "Gather the rows with kp.all_gather(value)"))
-
-
-@pytest.mark.multiprocess
-def test_a_loss_joining_a_prior_to_the_batch_s_rows_is_refused(tmp_path):
-    # A custom train_step's mean over tf.concat([per_example, prior], 0): before, each worker took it over its own
-    # rows and the prior, and trained silently apart from one process (2 workers x 16 rows against one process x
-    # 32: the weights 0.010 off after 3 epochs).
-    _assert_refused(tmp_path, ["kparallax"], (
-        "Rows of the batch meet in concat (ConcatV2 joins entries of something else than the batch to the rows of the "
-        "batch, along axis 0 of", "Received: that op in the training step of a job of 2 workers."),
-        program=JOINED_PROGRAM)
 
 
 def _assert_refused(tmp_path, args, expected, program=PROGRAM):

@@ -625,9 +625,7 @@ class RowAxes:
 
     def _joined(self, op, axes):
         """``ConcatV2`` (values..., axis) and ``Pack`` (values, attr axis): rows on one axis of every input with
-        rows, not the joined one; a statistic joined to rows (features and their mean over the batch) meets them.
-        Entries without the batch's rows (a weight's, a statistic) joined along the rows to them are a ``sliced``
-        meeting: one process joins them to the global batch once, each worker to its own part."""
+        rows, not the joined one; a statistic joined to rows (features and their mean over the batch) meets them."""
         values, value_axes = (op.inputs[:-1], axes[:-1]) if op.type == "ConcatV2" else (op.inputs, axes)
         rank = values[0].shape.rank
         if UNKNOWN in value_axes or rank is None or (op.type == "ConcatV2" and axes[-1] is not None):
@@ -640,8 +638,6 @@ class RowAxes:
         if not rows:
             return STATISTIC
         if op.type == "ConcatV2" and joined in rows:
-            if all(a in (joined, None, STATISTIC) for a in value_axes):  # entries of no rows after or before them
-                self.meetings.append(Meeting(op, "sliced", ((rows[joined], joined),)))
             return UNKNOWN
         if len(rows) > 1:  # entry [i, j] of rows i of one and j of another, side by side: every pair of rows
             self.meetings.append(Meeting(op, "pairwise", tuple((x, a) for a, x in list(rows.items())[:2])))

@@ -357,10 +357,6 @@ def _meeting_message(meeting, where):
         how = (f"{op.type} adds rows before or after the rows of the batch, axis {axis} of its input {x.shape}: one "
                "process pads the global batch once, each worker its own part; pad along another axis, or pad the "
                "rows gathered over every worker")
-    elif meeting.kind == "sliced" and op.type == "ConcatV2":
-        how = (f"ConcatV2 joins entries of something else than the batch to the rows of the batch, along axis {axis} "
-               f"of {x.shape}: one process joins them to the global batch once, each worker to its own part; join "
-               "them along another axis, or to the rows gathered over every worker")
     elif meeting.kind == "sliced":
         how = (f"{op.type} takes rows of the batch by their place in it, axis {axis} of its input {x.shape}, as "
                "the first row of the batch taken as an anchor, a batch laid out in halves and split, or rows taken at "
