@@ -24,6 +24,7 @@ from kparallax.step import rows_meet
 PROGRAM = os.path.join(os.path.dirname(__file__), "programs", "in_batch_negatives.py")
 STATISTICS_PROGRAM = os.path.join(os.path.dirname(__file__), "programs", "batch_statistic_losses.py")
 PAIRS_PROGRAM = os.path.join(os.path.dirname(__file__), "programs", "paired_parts.py")
+JOINED_PROGRAM = os.path.join(os.path.dirname(__file__), "programs", "joined_rows.py")
 
 
 def test_outside_a_training_step_all_gather_is_the_identity_and_the_offset_zero():
@@ -573,6 +574,69 @@ def test_losses_taking_rows_by_their_place_in_the_batch_are_refused_on_several_w
         loss, workers=1, micro_batches=2)
 
 
+# Losses reducing the batch's rows joined by tf.concat to entries of something else than the batch (row_axes'
+# ``joined``): each form, and its message's fragment. Before: not seen (a mean over [per_example; prior]: 0.010 off
+# one process after 3 epochs on 2 workers, silently).
+_JOINED = "runs along the axis where concat (ConcatV2) joins the rows of the batch, axis 0 of ("
+JOINED_LOSSES = {
+    "a_weight_joined_after_the_rows": (
+        lambda q, d, w: tf.reduce_mean(tf.concat([tf.reduce_sum(q @ w, axis=1), tf.reshape(w, [-1])], 0)),
+        "(Mean " + _JOINED),
+    "a_prior_joined_before_the_rows": (
+        lambda q, d, w: tf.reduce_sum(tf.concat([tf.reshape(tf.square(w), [-1]), (q @ w)[:, 0] * 0.5], 0)),
+        "(Sum " + _JOINED),
+    "a_softmax_over_the_rows_and_the_weight_s": (
+        lambda q, d, w: tf.reduce_sum(tf.square(tf.nn.softmax(tf.concat([(q @ w)[:, 0], w[:, 0]], 0)))),
+        "(Softmax " + _JOINED),
+}
+
+
+@pytest.mark.parametrize("name", sorted(JOINED_LOSSES))
+def test_losses_reducing_the_rows_joined_to_other_entries_are_refused_on_several_workers(name):
+    # One process joins those entries to the global batch once, each worker to its own part.
+    loss, fragment = JOINED_LOSSES[name]
+    for rows in (None, 4):
+        message = _loss_refusal(loss, rows)
+        assert message is not None and fragment in message, (rows, message)
+        assert "Received: that op in the training step of a job of 2 workers." in message
+        assert "to entries of something else than the batch" in message and "kp.all_gather(value)" in message
+    assert _loss_refusal(loss, workers=1) is None
+    assert "a job of 1 worker(s) accumulating backward_passes_per_step=2 micro-batches" in _loss_refusal(
+        loss, workers=1, micro_batches=2)
+
+
+def _sampled_softmax(q, d, w):
+    """A sampled softmax as LM1B's: the batch's true ids and 2 sampled ids looked up in one gather, the rows split
+    back, each row's true logit against the sampled ones."""
+    ids = tf.cast(tf.abs(d[:, 0]), tf.int64) % 3
+    sampled = tf.constant([0, 2], tf.int64)
+    table = w @ tf.ones([1, 2])  # [3, 2] (a product: the kernel's gradient dense)
+    true_w, sampled_w = tf.split(tf.gather(table, tf.concat([ids, sampled], 0)), tf.stack([tf.shape(ids)[0], 2]))
+    hidden = q[:, :2]
+    logits = tf.concat([tf.reduce_sum(hidden * true_w, 1, keepdims=True), hidden @ tf.transpose(sampled_w)], 1)
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(tf.zeros_like(ids, tf.int32), logits))
+
+
+def test_rows_joined_to_other_entries_and_split_back_or_logged_alone_run():
+    # Split back at the parts' edges (a sampled softmax's true and sampled ids looked up in one gather), the rows
+    # are the batch's again: per-row work past them meets nothing (refusing every such join refused LM1B's sampled
+    # softmax); a softmax over the rows split back still meets them. A mean over a join logged beside the loss
+    # changes no weight.
+    split_back = lambda q, d, w: tf.reduce_sum(  # pylint: disable=unnecessary-lambda-assignment
+        [tf.reduce_mean(part) for part in tf.split(tf.concat([(q @ w)[:, 0], w[:, 0]], 0), [tf.shape(q)[0], -1])])
+    sliced_back = lambda q, d, w: tf.reduce_mean(  # pylint: disable=unnecessary-lambda-assignment
+        tf.concat([q @ w, tf.transpose(w)[:, :1]], 0)[:tf.shape(d)[0]])
+    for rows in (None, 4):
+        for loss in (split_back, sliced_back, _sampled_softmax):
+            assert _loss_refusal(loss, rows) is None, rows
+        assert _loss_refusal(lambda q, d, w: tf.reduce_mean(q @ w), rows, logged=lambda q, d, w: tf.reduce_mean(
+            tf.concat([q @ w, w], 0))) is None
+        met = _loss_refusal(lambda q, d, w: tf.reduce_mean(tf.nn.softmax(tf.split(
+            tf.concat([q @ w, w], 0), [tf.shape(q)[0], -1])[0] * 3.0, axis=0)[:, 0] * tf.range(1.0, 1.0 + tf.cast(
+                tf.shape(q)[0], tf.float32))), rows)
+        assert met is not None and "(Softmax along the rows of the batch, axis 1 of its input" in met, met
+
+
 def test_rows_taken_by_their_place_for_a_write_or_a_logged_value_alone_run():
     # A variable's write of the batch's first row (its aggregation combines the workers' writes: ONLY_FIRST_REPLICA
     # keeps worker 0's, the global batch's first); a value logged beside the loss; as many rows as another tensor
@@ -860,6 +924,27 @@ def test_a_tf_distribute_replica_gather_in_the_training_step_is_refused(tmp_path
         "tf.distribute.get_replica_context().all_gather in kparallax's training step gathers nothing",
         "Received: all_gather of a value of shape (None, 4) along axis 0 in the training step of a job of 2 workers. "
         "Gather the rows with kp.all_gather(value)"))
+
+
+@pytest.mark.multiprocess
+def test_a_loss_joining_a_prior_to_the_batch_s_rows_is_refused(tmp_path):
+    # A custom train_step's mean over tf.concat([per_example, prior], 0): before, each worker took it over its own
+    # rows and the prior, and trained silently apart from one process (2 workers x 16 rows against one process x
+    # 32: the weights 0.010 off after 3 epochs).
+    _assert_refused(tmp_path, ["kparallax"], (
+        "Rows of the batch meet in Mean (Mean runs along the axis where concat (ConcatV2) joins the rows of the "
+        "batch, axis 0 of", "Received: that op in the training step of a job of 2 workers."), program=JOINED_PROGRAM)
+
+
+@pytest.mark.multiprocess
+def test_a_prior_joined_to_the_rows_gathered_over_the_workers_matches_one_plain_process(tmp_path):
+    # The refusal's fix: the prior joined to kp.all_gather's rows is one process's join of it to the global batch.
+    ref, got, run = testing.reference_and_job(JOINED_PROGRAM, tmp_path, job_args=["gathered"])
+    assert run.returncode == 0, run.report()
+    a, b = np.load(os.path.join(ref, "joined.npz")), np.load(os.path.join(got, "joined.npz"))
+    assert a.files == b.files
+    for key in a.files:
+        np.testing.assert_allclose(b[key], a[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
 def _assert_refused(tmp_path, args, expected, program=PROGRAM):

@@ -67,6 +67,12 @@ batch and each worker over its own part (``meetings``):
   rows padded on before or after them (``tf.pad(x, [[1, 0], [0, 0]])``: each worker's part gets them, the global
   batch once); a slice whose bounds (a pad whose paddings) are not known while tracing meets them only when it
   leaves some out (adds some: ``Meeting.part``);
+- ``joined``: a reduction or a softmax along the axis where a ``tf.concat`` joins the batch's rows to entries of
+  something else than the batch (``tf.reduce_mean(tf.concat([per_example, prior], 0))``: one process joins them
+  to the global batch once, each worker to its own part); such a tensor is ``UNKNOWN`` with a ``row_joins.Join``,
+  followed through per-entry ops and gathers at its entries, and split back at the parts' edges into the batch's
+  rows and entries without rows (a sampled softmax's true and sampled ids, looked up in one gather); checked, as
+  ``sliced`` is, only on the way to a differentiated loss;
 - ``nonlinear``: a statistic taken through a function other than a sum, a difference or a scaling by values without
   rows (the root of a mean squared error, a log of the batch's mean activation, a quotient or a matrix product of
   two statistics, a value chosen by a comparison of one, ``tf.where(tf.reduce_mean(x) > 0, a, b)``): one
@@ -88,6 +94,8 @@ import numpy as np
 import tensorflow as tf
 
 from kparallax._compat import tf as tf_compat
+from kparallax.step import row_joins
+from kparallax.step import traced_values
 
 STATISTIC = "statistic"
 UNKNOWN = "unknown"
@@ -137,6 +145,10 @@ _NONLINEAR = (_UNARY - {"Identity", "Snapshot", "StopGradient", "PreventGradient
               | {"Maximum", "Minimum", "Pow", "SquaredDifference", "Xdivy", "Xlogy", "Atan2", "ClipByValue", "Max",
                  "Min", "Prod", "EuclideanNorm"} | _SOFTMAX)
 _PRODUCT_LIKE = {"Mul", "MulNoNan", "Einsum"} | PRODUCTS  # nonlinear when two statistics multiply
+_constant = traced_values.constant
+_dimension_read = traced_values.dimension_read
+_size = traced_values.size
+
 _QUOTIENTS = {"RealDiv", "Div", "DivNoNan"}  # nonlinear when a statistic divides
 _SELECTS = {"Select", "SelectV2"}  # nonlinear when a statistic chooses
 # Ops combining their inputs' values entry by entry or by products: one row of the batch meets what they combine it
@@ -209,6 +221,7 @@ class RowAxes:
         self._own = set()  # the names of ops whose outputs' entries and blocks their own rule set (not ``_merge``)
         self._listed_from = {}  # a list's ref -> (the tensor it was made of, that tensor's rows' axis)
         self._row_indices = set()  # the refs of the indices a list of rows was read at
+        self._joins = {}  # a tensor's ref -> its row_joins.Join: the batch's rows joined to other entries
         self.cuts = []  # Cut: each reshape of the step's own graph into entries holding parts of rows or whole rows
 
     def follow(self, ops):
@@ -218,12 +231,14 @@ class RowAxes:
             axes = [self.axis(x) for x in op.inputs]
             if all(a is None for a in axes):
                 continue  # nothing of the batch: every output has no rows
+            joins = [self._joins.get(x.ref()) for x in op.inputs]
             try:
                 outputs = ([UNKNOWN] * len(op.outputs) if op.name in self._apart_ops else
+                           self._past_join(op, axes, joins) if any(joins) else
                            self._of_a_row(op, axes) if ROW in axes else self._outputs(op, axes))
             except (ValueError, TypeError, IndexError, KeyError, ArithmeticError):  # not as expected: not followed
                 outputs = [UNKNOWN] * len(op.outputs)
-            if op.name not in self._apart_ops and ROW not in axes:
+            if op.name not in self._apart_ops and ROW not in axes and not any(joins):
                 outputs = self._taken_by_place(op, axes, outputs)
             outputs = self._merge(op, axes, outputs)
             statistic = next((self._sources[x.ref()] for x, a in zip(op.inputs, axes) if a == STATISTIC), None)
@@ -637,7 +652,10 @@ class RowAxes:
         statistics = [x for x, a in zip(values, value_axes) if a == STATISTIC]
         if not rows:
             return STATISTIC
-        if op.type == "ConcatV2" and joined in rows:
+        if op.type == "ConcatV2" and joined in rows:  # the rows joined to other entries along them (row_joins)
+            join = row_joins.made(op, value_axes, joined)
+            if join is not None:
+                self._joins[op.outputs[0].ref()] = join
             return UNKNOWN
         if len(rows) > 1:  # entry [i, j] of rows i of one and j of another, side by side: every pair of rows
             self.meetings.append(Meeting(op, "pairwise", tuple((x, a) for a, x in list(rows.items())[:2])))
@@ -645,6 +663,37 @@ class RowAxes:
         (axis, held), = rows.items()
         self._statistic_meets(op, (held, axis), statistics)
         return axis if op.type == "ConcatV2" or axis < joined else axis + 1
+
+    def _past_join(self, op, axes, joins):
+        """The outputs of ``op`` reading a tensor that joins the batch's rows to other entries (``row_joins``):
+        ``UNKNOWN`` where it holds a join (recorded), or the batch's rows split back from it; a ``joined`` meeting
+        where it reduces along the join."""
+        self._own.add(op.name)
+        outputs, met = row_joins.follow(op, axes, joins, self._counts)
+        join = next(j for j in joins if j is not None)
+        if met:
+            self.meetings.append(Meeting(op, "joined", (join.held,), join.source))
+        for k, (tensor, out) in enumerate(zip(op.outputs, outputs)):
+            if isinstance(out, row_joins.Join):
+                self._joins[tensor.ref()] = out
+                outputs[k] = UNKNOWN
+            elif isinstance(out, int):
+                self._set_rows(tensor, *self._rows_of(join.held[0]))
+        return outputs
+
+    def _counts(self, bound, join, k):
+        """Whether ``bound`` (an int, or ``(tensor, axis)``: ``tf.shape(tensor)[axis]`` read while the step runs, or
+        ``(tensor, axis, factor)``: that times an int) is the count of entries of part ``k`` of ``join`` along it:
+        its static size, a read of its own size, or for the batch's rows, of a tensor holding as many (the same rows
+        on that axis and blocks, and its entries per row times the factor)."""
+        part = join.parts[k]
+        if isinstance(bound, int):
+            return part.shape[join.along] == bound
+        x, axis, factor = (*bound, 1)[:3]
+        if _unwrapped(x).ref() == _unwrapped(part).ref() and axis == join.along and factor == 1:
+            return True
+        entries, blocks = self._rows_of(part)
+        return k == join.rows and self.axis(x) == axis and self._rows_of(x) == (entries / factor, blocks)
 
     def _blocks_joined(self, op, values, axis):
         """``tf.concat`` of tensors of the batch's rows along their rows' axis (``[z1; z2]``: two views of the batch,
@@ -857,21 +906,6 @@ def _alone(axes):
     return axes[0] if all(a is None for a in axes[1:]) else UNKNOWN
 
 
-_FOLDED = {"Sub": np.subtract, "Add": np.add, "AddV2": np.add, "Mul": np.multiply, "FloorMod": np.mod,
-           "Range": np.arange, "Identity": lambda x: x, "Pack": lambda *xs: np.stack(xs),
-           "ConcatV2": lambda *xs: np.concatenate(xs[:-1], axis=int(xs[-1]))}
-
-
-def _constant(tensor, depth=8):
-    """``tensor``'s value while tracing, or None: TensorFlow's constant folding, and a few integer ops of constants
-    it does not fold (``tf.nn.softmax(x, axis=0)``'s permutation: a range up to the rank minus one)."""
-    value = tf.get_static_value(tensor)
-    if value is not None or depth == 0 or tensor.op.type not in _FOLDED:
-        return value
-    inputs = [_constant(x, depth - 1) for x in tensor.op.inputs]
-    return None if any(x is None for x in inputs) else np.asarray(_FOLDED[tensor.op.type](*inputs))
-
-
 def _first_size_left(op):
     """Whether a ``Reshape``'s shape input leaves its first size to be inferred (``-1``, a constant)."""
     shape = op.inputs[1]
@@ -906,36 +940,6 @@ def _reshaped(op):
         return known
     sizes = [_size(x) for x in shape.op.inputs]
     return known.merge_with([None if size is None or size < 0 else size for size in sizes])
-
-
-def _size(tensor):
-    """A scalar size's value while tracing: a constant, or a static dimension read by ``tf.shape(x)[k]`` (of a
-    shape TensorFlow made a constant, too)."""
-    value = _constant(tensor)
-    if value is not None:
-        return int(value)
-    op = tensor.op
-    if op.type != "StridedSlice" or op.get_attr("shrink_axis_mask") != 1:
-        return None
-    index, shape = _constant(op.inputs[1]), _constant(op.inputs[0])
-    if shape is not None and index is not None and np.ndim(shape) == 1:
-        at = int(np.ravel(index)[0])
-        return int(shape[at]) if -len(shape) <= at < len(shape) else None
-    read = _dimension_read(tensor)
-    return None if read is None else read[0].shape[read[1]]
-
-
-def _dimension_read(size):
-    """``(x, k)`` when scalar ``size`` is ``tf.shape(x)[k]`` (a ``StridedSlice`` of a ``Shape``, begin ``[k]``,
-    shrunk), k counted from the front; else None."""
-    op = size.op
-    if op.type != "StridedSlice" or op.get_attr("shrink_axis_mask") != 1 or op.inputs[0].op.type != "Shape":
-        return None
-    x, index = op.inputs[0].op.inputs[0], _constant(op.inputs[1])
-    rank = x.shape.rank
-    if index is None or rank is None or not -rank <= int(np.ravel(index)[0]) < rank:
-        return None
-    return x, int(np.ravel(index)[0]) % rank
 
 
 def _static(tensor):

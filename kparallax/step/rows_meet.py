@@ -23,8 +23,8 @@ rows as the worker's batch on the axes that hold them (a slice or pad whose boun
 and its output has fewer or more). Ops made under ``apart()`` (BatchNormalization's per-worker statistics,
 ``sync_batch_norm=False``; Keras' masked mean loss, whose valid count the step counts over the workers itself; a
 scalar loss or metric recomputed on the batch's rows repeated twice, to tell a sum from a mean) and
-``kp.all_gather``'s outputs are not followed. Rows taken by their place (and copied once per row by a tile) are
-checked only where a differentiated loss is computed from them (below): taken for a variable's write alone, the
+``kp.all_gather``'s outputs are not followed. Rows taken by their place (copied once per row by a tile, reduced
+together with entries of something else joined to them: ``row_joins``) are checked only where a differentiated loss is computed from them (below): taken for a variable's write alone, the
 variable's aggregation combines them (``x[0]`` kept in an ``ONLY_FIRST_REPLICA`` variable: worker 0's, the global
 batch's). Only the forward pass's meetings are checked: the backward pass meets where it does.
 
@@ -228,7 +228,7 @@ def _forward(meetings, feeding):
     for meeting in meetings:
         if row_axes.BACKWARD in f"/{meeting.at.name}":
             continue
-        if meeting.kind in ("sliced", "tiled") and meeting.at.name not in feeding:
+        if meeting.kind in ("sliced", "tiled", "joined") and meeting.at.name not in feeding:
             continue
         if meeting.kind == "nonlinear":
             if meeting.at.name not in feeding or meeting.source.name in statistics:
@@ -362,6 +362,14 @@ def _meeting_message(meeting, where):
                "the first row of the batch taken as an anchor, a batch laid out in halves and split, or rows taken at "
                "fixed or shuffled places are; to pair rows, lay each pair out in one row (two inputs, or [B, 2, ...]) "
                "or in consecutive rows joined by a reshape to [-1, 2, ...]")
+    elif meeting.kind == "joined":
+        joined = meeting.source
+        how = (f"{op.type} runs along the axis where {joined.name} ({joined.type}) joins the rows of the batch, axis "
+               f"{axis} of {x.shape}, to entries of something else than the batch (a weight, a prior, a sample): one "
+               "process joins them to the global batch once, each worker to its own part, as a mean over "
+               "tf.concat([per_example_loss, prior], 0) does; reduce the rows of the batch and the other entries "
+               "apart (a mean over the rows plus a term of the others), or join the others to the rows gathered over "
+               "every worker")
     elif meeting.kind == "carried":
         how = ("a loop over the rows of the batch carries a value computed from one row on to the next, as the "
                "accumulator of tf.scan does")

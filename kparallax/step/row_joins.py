@@ -1,0 +1,262 @@
+"""Entries of something else than the batch joined to the batch's rows along their axis, followed until they part.
+
+``tf.concat([per_example, prior], 0)`` joins the batch's rows (a per-example loss) to entries that are not the
+batch's (a weight's, a prior's, sampled ids): one process joins them to the global batch once, each worker to its
+own part. ``row_axes`` gives such a tensor the rows' axis ``UNKNOWN`` and a ``Join`` (``made``), and ``follow``
+says what the ops reading it make of it:
+- computed entry by entry (a cast, an element-wise op with values without rows, a product with a weight, a gather
+  at the joined ids, a reduction along another axis): the same join, its axis moved;
+- split or sliced at the parts' edges (bounds known while tracing, or read from the parts' sizes while the step
+  runs: ``tf.split(x, [tf.shape(rows)[0], -1])``, ``tf.slice(x, [0], tf.shape(rows))``): each part back, the
+  batch's rows (``int``: their axis) or entries without them (``None``), as a sampled softmax looks up the true and
+  sampled ids in one gather and splits the looked-up rows back;
+- reduced or taken a softmax of along the joined axis (``tf.reduce_mean(tf.concat([per_example, prior], 0))``):
+  ``met``, a ``joined`` meeting. One process takes it over the global batch and those entries once, each worker
+  over its own part and them, so the averaged gradient is not one process's (a custom ``train_step`` of that mean
+  on 2 workers: 0.010 off one process after 3 epochs, silently, before this was seen);
+- anything else: ``UNKNOWN``, as any op ``row_axes`` does not follow (nothing refused).
+"""
+
+import dataclasses
+
+import numpy as np
+
+from kparallax.step import traced_values
+
+UNKNOWN = "unknown"
+
+_PER_ENTRY = {"Identity", "Snapshot", "StopGradient", "PreventGradient", "Cast", "CheckNumerics",
+              "CheckNumericsV2", "EnsureShape", "Neg", "Abs", "Square", "Sqrt", "Exp", "Log", "Log1p", "Sigmoid",
+              "Tanh", "Relu", "Softplus"}
+_ELEMENTWISE = {"Add", "AddV2", "Sub", "Mul", "MulNoNan", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum",
+                "SquaredDifference", "Equal", "NotEqual", "Less", "LessEqual", "Greater", "GreaterEqual", "SelectV2",
+                "BiasAdd"}
+_REDUCTIONS = {"Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm"}
+_SOFTMAX = {"Softmax", "LogSoftmax"}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # compared by identity: it holds graph tensors
+class Join:
+    """A tensor whose axis ``axis`` joins the batch's rows to entries of something else than the batch: the
+    ``parts`` (the inputs of ``source``, a ``ConcatV2`` along their axis ``along``), the one at ``rows`` holding
+    the batch's rows on that axis, the others none."""
+
+    axis: int
+    parts: tuple
+    along: int
+    rows: int
+    source: object
+
+    def moved(self, axis):
+        """The same join on ``axis`` of another tensor (computed from this one entry by entry)."""
+        return self if axis == self.axis else dataclasses.replace(self, axis=axis)
+
+    @property
+    def held(self):
+        """The pair (tensor, axis) holding the batch's rows: the part of them, at the join."""
+        return self.parts[self.rows], self.along
+
+
+def made(op, value_axes, along):
+    """The ``Join`` of ``ConcatV2`` ``op`` along ``along`` of inputs of rows' axes ``value_axes``, when exactly one
+    holds the batch's rows, on that axis, and the others none; else None."""
+    rows = [k for k, axis in enumerate(value_axes) if axis is not None]
+    if len(rows) != 1 or value_axes[rows[0]] != along:
+        return None
+    return Join(along, tuple(op.inputs[:-1]), along, rows[0], op)
+
+
+def follow(op, axes, joins, counts):
+    """``(outputs, met)`` of graph ``op`` reading a join (``joins``: per input, its ``Join`` or None; ``axes``:
+    per input, its rows' axis): per output a ``Join``, the batch's rows' axis, None or ``UNKNOWN`` (see the module
+    docstring), and ``met`` True when the op reduces along the joined axis. ``counts(bound, join, k)`` says whether
+    a bound (an int, or ``(tensor, axis)`` read while the step runs) is the count of entries of the join's part
+    ``k``."""
+    unknown = [UNKNOWN] * len(op.outputs)
+    held = [(k, join) for k, join in enumerate(joins) if join is not None]
+    index, join = held[0]
+    if any(other.source is not join.source for _, other in held) or any(
+            axis is not None for axis, other in zip(axes, joins) if other is None):
+        return unknown, False
+    kind, x = op.type, op.inputs[index]
+    rank = x.shape.rank
+    if rank is None:
+        return unknown, False
+    if kind in _PER_ENTRY and index == 0:
+        return [join] + [UNKNOWN] * (len(op.outputs) - 1), False
+    if kind in _ELEMENTWISE:
+        out_rank = op.outputs[0].shape.rank
+        moved = {join.axis + out_rank - op.inputs[k].shape.rank for k, join in held}
+        return ([join.moved(moved.pop())] if len(moved) == 1 and out_rank is not None else unknown), False
+    if len(held) > 1:
+        return unknown, False
+    if kind in _REDUCTIONS and index == 0:
+        return _reduced(op, join, rank)
+    if kind in _SOFTMAX:
+        return (unknown, True) if join.axis == rank - 1 else ([join], False)
+    if kind == "MatMul":  # a dense layer of the joined entries (a side without rows): each entry's own
+        flip = op.get_attr("transpose_a" if index == 0 else "transpose_b")
+        if rank != 2 or join.axis != (int(flip) if index == 0 else 1 - int(flip)):
+            return unknown, False
+        return [join.moved(index)], False
+    if kind == "ExpandDims" and index == 0:
+        where = traced_values.constant(op.inputs[1])
+        if where is None:
+            return unknown, False
+        where = int(np.ravel(where)[0]) % (rank + 1)
+        return [join.moved(join.axis + 1 if where <= join.axis else join.axis)], False
+    if kind == "Transpose" and index == 0:
+        permutation = traced_values.constant(op.inputs[1])
+        if permutation is None:
+            return unknown, False
+        return [join.moved([int(a) for a in np.ravel(permutation)].index(join.axis))], False
+    if kind == "GatherV2" and index == 1 and not op.get_attr("batch_dims"):
+        gathered = traced_values.constant(op.inputs[2])
+        params = op.inputs[0].shape.rank
+        if gathered is None or params is None:
+            return unknown, False
+        return [join.moved(int(np.ravel(gathered)[0]) % params + join.axis)], False
+    if kind == "ResourceGather" and index == 1 and not op.get_attr("batch_dims"):
+        return [join], False
+    if kind == "Unique" and index == 0:  # (the distinct values: a set without rows, where each value is in it)
+        return [None, join], False
+    if kind in ("Slice", "StridedSlice") and index == 0:
+        bounds = _slice_bounds(op, join.axis, rank)
+        return [_part(join, *bounds, counts) if bounds else UNKNOWN], False
+    if kind == "SplitV" and index == 0:
+        return _split(op, join, rank, counts), False
+    return unknown, False
+
+
+def _reduced(op, join, rank):
+    """A reduction of a join: ``met`` along the joined axis, else the join on its axis in the output."""
+    reduced = traced_values.constant(op.inputs[1])
+    if reduced is None:
+        return [UNKNOWN], False
+    reduced = {int(a) % rank for a in np.atleast_1d(reduced)} if rank else set()
+    if join.axis in reduced:
+        return [UNKNOWN], True
+    keep = op.get_attr("keep_dims")
+    return [join.moved(join.axis if keep else join.axis - sum(a < join.axis for a in reduced))], False
+
+
+def _slice_bounds(op, axis, rank):
+    """``(begin, size)`` along ``axis`` of a ``Slice`` or of a plain ``StridedSlice`` (stride 1, no ellipsis, new
+    or shrunk axis; a size -1 to the end), each an int or ``(tensor, axis)`` read while the step runs; None where
+    not known."""
+    if op.type == "Slice":
+        begin, size = _bound(op.inputs[1], axis), _bound(op.inputs[2], axis)
+        return None if begin is None or size is None else (begin, size)
+    if any(op.get_attr(name) for name in ("ellipsis_mask", "new_axis_mask", "shrink_axis_mask")):
+        return None
+    strides, entries = traced_values.constant(op.inputs[3]), op.inputs[1].shape[0]
+    if strides is None or entries is None or any(int(s) != 1 for s in np.ravel(strides)) or entries > rank:
+        return None
+    if axis >= entries:
+        return 0, -1  # the joined axis after the slice's entries: whole
+    begin = 0 if (op.get_attr("begin_mask") >> axis) & 1 else _bound(op.inputs[1], axis)
+    end = -1 if (op.get_attr("end_mask") >> axis) & 1 else _bound(op.inputs[2], axis)
+    if begin is None or end is None or (end != -1 and begin != 0) or isinstance(end, int) and end < -1:
+        return None
+    return begin, end  # from 0, the end is the size
+
+
+def _split(op, join, rank, counts):
+    """``SplitV`` (value, sizes, axis) of a join: along another axis, the join in each output; along the joined
+    one, each output the parts its size spans from where the last ended (``_part``)."""
+    along = traced_values.constant(op.inputs[2])
+    if along is None:
+        return [UNKNOWN] * len(op.outputs)
+    if int(np.ravel(along)[0]) % rank != join.axis:
+        return [join] * len(op.outputs)
+    outputs, start = [], 0
+    for k in range(len(op.outputs)):
+        size = _bound(op.inputs[1], k)
+        end = None if start is None or size is None else _end(join, start, size, counts)
+        outputs.append(UNKNOWN if end is None else _covering(join, start, end))
+        start = end
+    return outputs
+
+
+def _part(join, begin, size, counts):
+    """What a slice of ``join``'s axis holds, from ``begin``, ``size`` entries (-1: to the end): the join (every
+    part), the batch's rows' axis (the rows' part alone), None (parts without rows alone) or ``UNKNOWN`` (bounds not
+    on the parts' edges, or rows and other entries but not all)."""
+    start = _start(join, begin, counts)
+    end = None if start is None else _end(join, start, size, counts)
+    return UNKNOWN if end is None else _covering(join, start, end)
+
+
+def _start(join, begin, counts):
+    """The part a slice beginning at ``begin`` starts with, when ``begin`` is a part's edge; else None."""
+    if begin == 0:
+        return 0
+    for k in range(1, len(join.parts)):
+        if (k == 1 and counts(begin, join, 0)) or (isinstance(begin, int) and _static_sum(join, 0, k) == begin):
+            return k
+    return None
+
+
+def _end(join, start, size, counts):
+    """The part after the last that ``size`` entries from part ``start`` span (-1: every part after it), when
+    on a part's edge; else None."""
+    if size == -1:
+        return len(join.parts)
+    for k in range(start + 1, len(join.parts) + 1):
+        if (k == start + 1 and counts(size, join, start)) or (
+                isinstance(size, int) and _static_sum(join, start, k) == size):
+            return k
+    return None
+
+
+def _covering(join, start, end):
+    """What parts ``start`` to ``end`` (not included) of ``join`` hold, one after the other."""
+    if start == 0 and end == len(join.parts):
+        return join
+    if start == join.rows and end == join.rows + 1:
+        return join.axis
+    if not start <= join.rows < end:
+        return None
+    return UNKNOWN
+
+
+def _static_sum(join, start, end):
+    """The entries of parts ``start`` to ``end`` along the join, when known while tracing; else None."""
+    sizes = [part.shape[join.along] for part in join.parts[start:end]]
+    return None if any(size is None for size in sizes) else sum(sizes)
+
+
+def _bound(vector, k):
+    """Entry ``k`` of an int vector (a slice's begin or size, a split's sizes): an int known while tracing, or
+    ``(tensor, axis)`` where it is ``tf.shape(tensor)[axis]`` (an entry of a ``tf.shape``; of a ``tf.stack``, also
+    ``(tensor, axis, factor)``: that size times an int, ``_read``); None otherwise."""
+    value = traced_values.constant(vector)
+    if value is not None:
+        flat = np.ravel(value)
+        return int(flat[k]) if k < flat.size else None
+    op = vector.op
+    if op.type == "Shape":
+        return op.inputs[0], k
+    if op.type != "Pack" or k >= len(op.inputs):
+        return None
+    return _read(op.inputs[k])
+
+
+def _read(scalar):
+    """A scalar bound: an int known while tracing, ``(tensor, axis)`` where it is ``tf.shape(tensor)[axis]``, or
+    ``(tensor, axis, factor)`` where it is that times an int known while tracing; None otherwise."""
+    value = traced_values.size(scalar) if scalar.shape.rank == 0 else None
+    if value is not None:
+        return int(value)
+    while scalar.op.type in ("Identity", "Cast", "Reshape", "Squeeze"):
+        scalar = scalar.op.inputs[0]
+    if scalar.op.type == "Mul":
+        factors = [traced_values.constant(x) for x in scalar.op.inputs]
+        for read, factor in ((scalar.op.inputs[0], factors[1]), (scalar.op.inputs[1], factors[0])):
+            inner = None if factor is None or np.size(factor) != 1 else _read(read)
+            if isinstance(inner, int):
+                return inner * int(np.ravel(factor)[0])
+            if isinstance(inner, tuple) and len(inner) == 2:
+                return (*inner, int(np.ravel(factor)[0]))
+        return None
+    return traced_values.dimension_read(scalar)

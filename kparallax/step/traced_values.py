@@ -1,0 +1,48 @@
+"""Values of a traced graph's tensors known while tracing: constants, and sizes read from static shapes."""
+
+import numpy as np
+import tensorflow as tf
+
+_FOLDED = {"Sub": np.subtract, "Add": np.add, "AddV2": np.add, "Mul": np.multiply, "FloorMod": np.mod,
+           "Range": np.arange, "Identity": lambda x: x, "Pack": lambda *xs: np.stack(xs),
+           "ConcatV2": lambda *xs: np.concatenate(xs[:-1], axis=int(xs[-1]))}
+
+
+def constant(tensor, depth=8):
+    """``tensor``'s value while tracing, or None: TensorFlow's constant folding, and a few integer ops of constants
+    it does not fold (``tf.nn.softmax(x, axis=0)``'s permutation: a range up to the rank minus one)."""
+    value = tf.get_static_value(tensor)
+    if value is not None or depth == 0 or tensor.op.type not in _FOLDED:
+        return value
+    inputs = [constant(x, depth - 1) for x in tensor.op.inputs]
+    return None if any(x is None for x in inputs) else np.asarray(_FOLDED[tensor.op.type](*inputs))
+
+
+def dimension_read(size):
+    """``(x, k)`` when scalar ``size`` is ``tf.shape(x)[k]`` (a ``StridedSlice`` of a ``Shape``, begin ``[k]``,
+    shrunk), k counted from the front; else None."""
+    op = size.op
+    if op.type != "StridedSlice" or op.get_attr("shrink_axis_mask") != 1 or op.inputs[0].op.type != "Shape":
+        return None
+    x, index = op.inputs[0].op.inputs[0], constant(op.inputs[1])
+    rank = x.shape.rank
+    if index is None or rank is None or not -rank <= int(np.ravel(index)[0]) < rank:
+        return None
+    return x, int(np.ravel(index)[0]) % rank
+
+
+def size(tensor):
+    """A scalar size's value while tracing: a constant, or a static dimension read by ``tf.shape(x)[k]`` (of a
+    shape TensorFlow made a constant, too)."""
+    value = constant(tensor)
+    if value is not None:
+        return int(value)
+    op = tensor.op
+    if op.type != "StridedSlice" or op.get_attr("shrink_axis_mask") != 1:
+        return None
+    index, shape = constant(op.inputs[1]), constant(op.inputs[0])
+    if shape is not None and index is not None and np.ndim(shape) == 1:
+        at = int(np.ravel(index)[0])
+        return int(shape[at]) if -len(shape) <= at < len(shape) else None
+    read = dimension_read(tensor)
+    return None if read is None else read[0].shape[read[1]]

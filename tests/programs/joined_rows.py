@@ -1,0 +1,67 @@
+"""A custom ``train_step`` whose loss is the mean over the batch's per-example losses joined along the rows to a
+fixed set of prior terms (``tf.concat([per_example, prior], 0)``: entries of something else than the batch after its
+rows). One process takes that mean over the global batch's rows and the prior once; each worker over its own rows
+and the prior, so the averaged gradient is not one process's. kparallax refuses it on several workers.
+
+Usage: joined_rows.py OUT_DIR MODE
+  MODE=reference: one plain process on the global batch (never imports kparallax).
+  MODE=kparallax: under kparallax-run (2 workers), per-worker batch.
+64 rows, a global batch of 32, 3 epochs, SGD; writes OUT_DIR/joined.npz (the weights) from worker 0 (or the
+process).
+"""
+
+import contextlib
+import os
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+ROWS, GLOBAL_BATCH = 64, 32
+
+
+class PriorJoined(tf.keras.Model):
+    """A dense regressor whose loss joins each example's squared error to the squared kernel entries (a prior)."""
+
+    def __init__(self, gather=None):
+        super().__init__()
+        self.dense = tf.keras.layers.Dense(1)
+        self.gather = gather or (lambda rows: rows)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            per_example = self.gather(tf.square(self(x, training=True) - y)[:, 0])
+            prior = tf.reshape(tf.square(self.dense.kernel), [-1])
+            loss = tf.reduce_mean(tf.concat([per_example, prior], 0))
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, self.trainable_variables), self.trainable_variables))
+        return {"loss": loss}
+
+
+def main(out_dir, mode, variant=""):
+    rng = np.random.default_rng(9)
+    x = rng.normal(size=(ROWS, 3)).astype(np.float32)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    if mode == "reference":
+        scope, batch, chief = contextlib.nullcontext, GLOBAL_BATCH, True
+    else:
+        import kparallax as kp  # pylint: disable=import-outside-toplevel
+        strategy = kp.HybridStrategy()
+        scope, batch, chief = strategy.scope, GLOBAL_BATCH // strategy.num_workers, strategy.is_chief
+    with scope():
+        model = PriorJoined(kp.all_gather if variant == "gathered" else None)
+        model.build((None, 3))
+        model.set_weights([np.full((3, 1), 0.5, np.float32), np.zeros(1, np.float32)])
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.1))
+        model.fit(x, y, batch_size=batch, epochs=3, shuffle=False, verbose=0)
+    if chief:
+        np.savez(os.path.join(out_dir, "joined.npz"), *model.get_weights())
+    if mode == "reference":
+        assert "kparallax" not in sys.modules, "the reference must not import kparallax"
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
