@@ -281,6 +281,18 @@ JOINS = {
     "a dense layer of it, the rows split back": (
         lambda x, y: tf.split(tf.matmul(_w(), tf.concat([x, _w()], 0), transpose_b=True), [tf.shape(x)[0], 3],
                               axis=1)[0], (1, 1, 1), []),
+    # replayed examples joined to the batch: their predictions against their labels, joined alike
+    "replayed inputs' squared errors, their mean": (
+        lambda x, y: tf.reduce_mean(tf.square(tf.concat([x, _w()], 0) @ _w() - tf.concat([y, _w() * 2.0], 0))),
+        (UNKNOWN, 1, 1), ["joined"]),
+    "flattened, its mean": (lambda x, y: tf.reduce_mean(tf.reshape(tf.concat([x, _w()], 0), [-1])),
+                            (UNKNOWN, 1, 1), ["joined"]),
+    "flattened, the rows split back": (
+        lambda x, y: tf.split(tf.reshape(tf.concat([x, _w()], 0), [-1]), [3 * tf.shape(x)[0], -1])[0], (0, 3, 1), []),
+    "flattened, the weight split back by its size": (
+        lambda x, y: tf.reshape(tf.concat([x, _w()], 0), [-1])[-9:], (UNKNOWN, 1, 1), []),
+    "a column squeezed, its sum": (lambda x, y: tf.reduce_sum(tf.squeeze(tf.concat([x, _w()], 0)[:, :1], 1)),
+                                   (UNKNOWN, 1, 1), ["joined"]),
     "a sum per entry along the columns": (lambda x, y: tf.reduce_sum(tf.concat([x, _w()], 0), axis=1),
                                           (UNKNOWN, 1, 1), []),
     "the rows split back": (lambda x, y: tf.split(tf.concat([x, _w()], 0), tf.stack([tf.shape(x)[0], 3]))[0],

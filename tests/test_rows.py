@@ -585,6 +585,11 @@ JOINED_LOSSES = {
     "a_prior_joined_before_the_rows": (
         lambda q, d, w: tf.reduce_sum(tf.concat([tf.reshape(tf.square(w), [-1]), (q @ w)[:, 0] * 0.5], 0)),
         "(Sum " + _JOINED),
+    # replayed examples joined to the batch, their squared errors' mean (labels joined alike)
+    "replayed_examples_joined_to_the_batch": (
+        lambda q, d, w: tf.reduce_mean(tf.square(tf.concat([q, tf.ones([2, 3])], 0) @ w
+                                                 - tf.concat([d[:, :1], tf.zeros([2, 1])], 0))),
+        "(Mean " + _JOINED),
     "a_softmax_over_the_rows_and_the_weight_s": (
         lambda q, d, w: tf.reduce_sum(tf.square(tf.nn.softmax(tf.concat([(q @ w)[:, 0], w[:, 0]], 0)))),
         "(Softmax " + _JOINED),

@@ -669,7 +669,7 @@ class RowAxes:
         ``UNKNOWN`` where it holds a join (recorded), or the batch's rows split back from it; a ``joined`` meeting
         where it reduces along the join."""
         self._own.add(op.name)
-        outputs, met = row_joins.follow(op, axes, joins, self._counts)
+        outputs, met = row_joins.follow(op, axes, joins, self._counts_part)
         join = next(j for j in joins if j is not None)
         if met:
             self.meetings.append(Meeting(op, "joined", (join.held,), join.source))
@@ -677,23 +677,25 @@ class RowAxes:
             if isinstance(out, row_joins.Join):
                 self._joins[tensor.ref()] = out
                 outputs[k] = UNKNOWN
-            elif isinstance(out, int):
-                self._set_rows(tensor, *self._rows_of(join.held[0]))
+            elif isinstance(out, int):  # the batch's rows again, each entry of them split in join.scale
+                entries, blocks = self._rows_of(join.held[0])
+                self._set_rows(tensor, entries * join.scale, blocks)
         return outputs
 
-    def _counts(self, bound, join, k):
+    def _counts_part(self, bound, join, k):
         """Whether ``bound`` (an int, or ``(tensor, axis)``: ``tf.shape(tensor)[axis]`` read while the step runs, or
-        ``(tensor, axis, factor)``: that times an int) is the count of entries of part ``k`` of ``join`` along it:
-        its static size, a read of its own size, or for the batch's rows, of a tensor holding as many (the same rows
-        on that axis and blocks, and its entries per row times the factor)."""
+        ``(tensor, axis, factor)``: that times an int) is the count of entries of part ``k`` of ``join`` along it
+        (``join.scale`` per entry of the part): its static size, a read of its own size, or for the batch's rows,
+        of a tensor holding as many (the same rows on that axis and blocks, as many entries per row)."""
         part = join.parts[k]
         if isinstance(bound, int):
-            return part.shape[join.along] == bound
+            size = part.shape[join.along]
+            return size is not None and size * join.scale == bound
         x, axis, factor = (*bound, 1)[:3]
-        if _unwrapped(x).ref() == _unwrapped(part).ref() and axis == join.along and factor == 1:
+        if _unwrapped(x).ref() == _unwrapped(part).ref() and axis == join.along and factor == join.scale:
             return True
         entries, blocks = self._rows_of(part)
-        return k == join.rows and self.axis(x) == axis and self._rows_of(x) == (entries / factor, blocks)
+        return k == join.rows and self.axis(x) == axis and self._rows_of(x) == (entries * join.scale / factor, blocks)
 
     def _blocks_joined(self, op, values, axis):
         """``tf.concat`` of tensors of the batch's rows along their rows' axis (``[z1; z2]``: two views of the batch,

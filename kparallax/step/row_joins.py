@@ -4,8 +4,10 @@
 batch's (a weight's, a prior's, sampled ids): one process joins them to the global batch once, each worker to its
 own part. ``row_axes`` gives such a tensor the rows' axis ``UNKNOWN`` and a ``Join`` (``made``), and ``follow``
 says what the ops reading it make of it:
-- computed entry by entry (a cast, an element-wise op with values without rows, a product with a weight, a gather
-  at the joined ids, a reduction along another axis): the same join, its axis moved;
+- computed entry by entry (a cast, an element-wise op with values without rows or with a join of the same layout,
+  as replayed inputs' predictions and their labels, a product with a weight, a gather at the joined ids, a
+  reduction along another axis, a reshape splitting each entry into a whole count of entries): the same join, its
+  axis moved;
 - split or sliced at the parts' edges (bounds known while tracing, or read from the parts' sizes while the step
   runs: ``tf.split(x, [tf.shape(rows)[0], -1])``, ``tf.slice(x, [0], tf.shape(rows))``): each part back, the
   batch's rows (``int``: their axis) or entries without them (``None``), as a sampled softmax looks up the true and
@@ -39,13 +41,14 @@ _SOFTMAX = {"Softmax", "LogSoftmax"}
 class Join:
     """A tensor whose axis ``axis`` joins the batch's rows to entries of something else than the batch: the
     ``parts`` (the inputs of ``source``, a ``ConcatV2`` along their axis ``along``), the one at ``rows`` holding
-    the batch's rows on that axis, the others none."""
+    the batch's rows on that axis, the others none; each entry of a part ``scale`` entries of the joined axis."""
 
     axis: int
     parts: tuple
     along: int
     rows: int
     source: object
+    scale: int = 1  # entries of the joined axis per entry of a part (a reshape split each into as many)
 
     def moved(self, axis):
         """The same join on ``axis`` of another tensor (computed from this one entry by entry)."""
@@ -75,7 +78,7 @@ def follow(op, axes, joins, counts):
     unknown = [UNKNOWN] * len(op.outputs)
     held = [(k, join) for k, join in enumerate(joins) if join is not None]
     index, join = held[0]
-    if any(other.source is not join.source for _, other in held) or any(
+    if not all(_aligned(join, other, counts) for _, other in held[1:]) or any(
             axis is not None for axis, other in zip(axes, joins) if other is None):
         return unknown, False
     kind, x = op.type, op.inputs[index]
@@ -99,6 +102,13 @@ def follow(op, axes, joins, counts):
         if rank != 2 or join.axis != (int(flip) if index == 0 else 1 - int(flip)):
             return unknown, False
         return [join.moved(index)], False
+    if kind == "Reshape" and index == 0:
+        return [_reshaped(op, join)], False
+    if kind == "Squeeze" and index == 0:
+        dims = [d % rank for d in op.get_attr("squeeze_dims")]
+        if not dims or join.axis in dims:
+            return unknown, False
+        return [join.moved(join.axis - sum(d < join.axis for d in dims))], False
     if kind == "ExpandDims" and index == 0:
         where = traced_values.constant(op.inputs[1])
         if where is None:
@@ -128,6 +138,22 @@ def follow(op, axes, joins, counts):
     return unknown, False
 
 
+def _aligned(join, other, counts):
+    """Whether joins ``join`` and ``other`` hold their parts entry for entry (the same join, or two of the same
+    layout: inputs and labels of the batch each joined to as many replayed ones)."""
+    if other.scale != join.scale:
+        return False
+    if other.source is join.source:
+        return True
+    if len(other.parts) != len(join.parts) or other.rows != join.rows:
+        return False
+    for k, part in enumerate(other.parts):
+        size = part.shape[other.along]
+        if not counts(size * other.scale if size is not None else (part, other.along, other.scale), join, k):
+            return False
+    return True
+
+
 def _reduced(op, join, rank):
     """A reduction of a join: ``met`` along the joined axis, else the join on its axis in the output."""
     reduced = traced_values.constant(op.inputs[1])
@@ -138,6 +164,20 @@ def _reduced(op, join, rank):
         return [UNKNOWN], True
     keep = op.get_attr("keep_dims")
     return [join.moved(join.axis if keep else join.axis - sum(a < join.axis for a in reduced))], False
+
+
+def _reshaped(op, join):
+    """A reshape of a join along its first axis into entries of sizes known while tracing (``[-1]``, ``[-1, 1]``):
+    the join, each entry of the input split into a whole count of the output's; ``UNKNOWN`` otherwise (entries
+    holding parts of several, or a fixed count of them)."""
+    before, after = op.inputs[0].shape, op.outputs[0].shape
+    if (join.axis != 0 or not before[1:].is_fully_defined() or after.rank is None or not after.rank
+            or not after[1:].is_fully_defined() or not after[1:].num_elements()):
+        return UNKNOWN
+    split, rest = divmod(before[1:].num_elements(), after[1:].num_elements())
+    if rest or not split:
+        return UNKNOWN
+    return dataclasses.replace(join, axis=0, scale=join.scale * split)
 
 
 def _slice_bounds(op, axis, rank):
@@ -223,7 +263,7 @@ def _covering(join, start, end):
 def _static_sum(join, start, end):
     """The entries of parts ``start`` to ``end`` along the join, when known while tracing; else None."""
     sizes = [part.shape[join.along] for part in join.parts[start:end]]
-    return None if any(size is None for size in sizes) else sum(sizes)
+    return None if any(size is None for size in sizes) else sum(sizes) * join.scale
 
 
 def _bound(vector, k):
