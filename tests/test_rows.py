@@ -942,6 +942,17 @@ def test_a_loss_joining_a_prior_to_the_batch_s_rows_is_refused(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_examples_replayed_into_each_batch_with_a_compiled_loss_are_refused(tmp_path):
+    # 4 fixed examples joined to each batch (inputs and labels) and Keras' compiled mean squared error over both:
+    # before, each worker replayed them beside its own 16 rows and trained silently apart from one process (the
+    # kernel 0.023 off after 3 epochs of 2 workers against one process of 32 rows).
+    _assert_refused(tmp_path, ["kparallax", "replayed"], (
+        "Rows of the batch meet in mean_squared_error/weighted_loss/Sum (Sum runs along the axis where concat "
+        "(ConcatV2) joins the rows of the batch, axis 0 of (16, 3)",
+        "Received: that op in the training step of a job of 2 workers."), program=JOINED_PROGRAM)
+
+
+@pytest.mark.multiprocess
 def test_a_prior_joined_to_the_rows_gathered_over_the_workers_matches_one_plain_process(tmp_path):
     # The refusal's fix: the prior joined to kp.all_gather's rows is one process's join of it to the global batch.
     ref, got, run = testing.reference_and_job(JOINED_PROGRAM, tmp_path, job_args=["gathered"])

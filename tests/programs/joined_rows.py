@@ -1,11 +1,15 @@
 """A custom ``train_step`` whose loss is the mean over the batch's per-example losses joined along the rows to a
 fixed set of prior terms (``tf.concat([per_example, prior], 0)``: entries of something else than the batch after its
 rows). One process takes that mean over the global batch's rows and the prior once; each worker over its own rows
-and the prior, so the averaged gradient is not one process's. kparallax refuses it on several workers.
+and the prior, so the averaged gradient is not one process's. kparallax refuses it on several workers; joined to the
+rows gathered over every worker (``kp.all_gather``, the refusal's fix), it is one process's.
 
-Usage: joined_rows.py OUT_DIR MODE
+Usage: joined_rows.py OUT_DIR MODE [VARIANT]
   MODE=reference: one plain process on the global batch (never imports kparallax).
   MODE=kparallax: under kparallax-run (2 workers), per-worker batch.
+  VARIANT=gathered: the prior joined to kp.all_gather(per_example) under kparallax (the reference is unchanged).
+  VARIANT=replayed: no prior; 4 fixed replayed examples joined to each batch (inputs and labels) and the compiled
+  mean squared error of the model on them (``compute_loss``), in the reference too.
 64 rows, a global batch of 32, 3 epochs, SGD; writes OUT_DIR/joined.npz (the weights) from worker 0 (or the
 process).
 """
@@ -23,16 +27,25 @@ ROWS, GLOBAL_BATCH = 64, 32
 class PriorJoined(tf.keras.Model):
     """A dense regressor whose loss joins each example's squared error to the squared kernel entries (a prior)."""
 
-    def __init__(self, gather=None):
+    def __init__(self, gather=None, replayed=None):
         super().__init__()
         self.dense = tf.keras.layers.Dense(1)
         self.gather = gather or (lambda rows: rows)
+        self.replayed = replayed
 
     def call(self, x):
         return self.dense(x)
 
     def train_step(self, data):
         x, y = data
+        if self.replayed is not None:
+            replay_x, replay_y = self.replayed
+            x, y = tf.concat([x, replay_x], 0), tf.concat([y, replay_y], 0)  # [B + 4, 3], [B + 4, 1]
+            with tf.GradientTape() as tape:
+                loss = self.compute_loss(x, y, self(x, training=True))
+            self.optimizer.apply_gradients(zip(tape.gradient(loss, self.trainable_variables),
+                                               self.trainable_variables))
+            return {"loss": loss}
         with tf.GradientTape() as tape:
             per_example = self.gather(tf.square(self(x, training=True) - y)[:, 0])
             prior = tf.reshape(tf.square(self.dense.kernel), [-1])
@@ -45,6 +58,9 @@ def main(out_dir, mode, variant=""):
     rng = np.random.default_rng(9)
     x = rng.normal(size=(ROWS, 3)).astype(np.float32)
     y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    replayed = None
+    if variant == "replayed":
+        replayed = (tf.constant(rng.normal(size=(4, 3)), tf.float32), tf.constant(rng.normal(size=(4, 1)), tf.float32))
     if mode == "reference":
         scope, batch, chief = contextlib.nullcontext, GLOBAL_BATCH, True
     else:
@@ -52,10 +68,10 @@ def main(out_dir, mode, variant=""):
         strategy = kp.HybridStrategy()
         scope, batch, chief = strategy.scope, GLOBAL_BATCH // strategy.num_workers, strategy.is_chief
     with scope():
-        model = PriorJoined(kp.all_gather if variant == "gathered" else None)
+        model = PriorJoined(kp.all_gather if variant == "gathered" else None, replayed)
         model.build((None, 3))
         model.set_weights([np.full((3, 1), 0.5, np.float32), np.zeros(1, np.float32)])
-        model.compile(optimizer=tf.keras.optimizers.SGD(0.1))
+        model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss="mse" if replayed is not None else None)
         model.fit(x, y, batch_size=batch, epochs=3, shuffle=False, verbose=0)
     if chief:
         np.savez(os.path.join(out_dir, "joined.npz"), *model.get_weights())
