@@ -293,6 +293,15 @@ JOINS = {
         lambda x, y: tf.reshape(tf.concat([x, _w()], 0), [-1])[-9:], (UNKNOWN, 1, 1), []),
     "a column squeezed, its sum": (lambda x, y: tf.reduce_sum(tf.squeeze(tf.concat([x, _w()], 0)[:, :1], 1)),
                                    (UNKNOWN, 1, 1), ["joined"]),
+    # into the functions the step calls
+    "its mean in a function": (lambda x, y: tf.function(tf.reduce_mean)(tf.concat([x, _w()], 0)), (UNKNOWN, 1, 1),
+                               ["joined"]),
+    "returned by a function, its mean": (
+        lambda x, y: tf.reduce_mean(tf.function(lambda t: t * 2.0)(tf.concat([x, _w()], 0))), (UNKNOWN, 1, 1),
+        ["joined"]),
+    "the rows split back in a function": (
+        lambda x, y: tf.function(lambda t, r: tf.split(t, [tf.shape(r)[0], -1])[0])(tf.concat([x, _w()], 0), y),
+        (0, 1, 1), []),
     "a sum per entry along the columns": (lambda x, y: tf.reduce_sum(tf.concat([x, _w()], 0), axis=1),
                                           (UNKNOWN, 1, 1), []),
     "the rows split back": (lambda x, y: tf.split(tf.concat([x, _w()], 0), tf.stack([tf.shape(x)[0], 3]))[0],

@@ -590,6 +590,14 @@ JOINED_LOSSES = {
         lambda q, d, w: tf.reduce_mean(tf.square(tf.concat([q, tf.ones([2, 3])], 0) @ w
                                                  - tf.concat([d[:, :1], tf.zeros([2, 1])], 0))),
         "(Mean " + _JOINED),
+    # the join made, or averaged, in a function the step calls
+    "a_prior_joined_in_a_function": (
+        lambda q, d, w: tf.function(lambda a, b: tf.reduce_mean(tf.concat([a, b], 0)))(tf.reduce_sum(q @ w, axis=1),
+                                                                                      tf.reshape(w, [-1])),
+        "(Mean " + _JOINED),
+    "a_join_averaged_in_a_function": (
+        lambda q, d, w: tf.function(tf.reduce_mean)(tf.concat([tf.reduce_sum(q @ w, axis=1), tf.reshape(w, [-1])], 0)),
+        "(Mean " + _JOINED),
     "a_softmax_over_the_rows_and_the_weight_s": (
         lambda q, d, w: tf.reduce_sum(tf.square(tf.nn.softmax(tf.concat([(q @ w)[:, 0], w[:, 0]], 0)))),
         "(Softmax " + _JOINED),

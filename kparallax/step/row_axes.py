@@ -452,10 +452,11 @@ class RowAxes:
 
     def _held(self, inputs):
         """The pairs (tensor, axis) of ``inputs`` (pairs (tensor, its axis)) holding the batch's rows, a list's as
-        the tensor it was made of."""
+        the tensor it was made of, a join's as its part of the batch's rows."""
         held = [(x, a) for x, a in inputs if isinstance(a, int)]
         held += [self._listed_from[x.ref()] for x, a in inputs
                  if isinstance(a, Listed) and x.ref() in self._listed_from]
+        held += [self._joins[x.ref()].held for x, _ in inputs if x.ref() in self._joins]  # a join's: its rows' part
         return tuple(held)
 
     def _inner(self, body, inputs, rows=None):
@@ -469,6 +470,12 @@ class RowAxes:
             inner._set_rows(placeholder, entries, blocks)
             if x.ref() in self._sources:
                 inner._sources[placeholder.ref()] = self._sources[x.ref()]
+            join = self._joins.get(x.ref())
+            if join is not None:  # the join's parts are this graph's: their rows' axis and entries too
+                inner._joins[placeholder.ref()] = join
+                part = join.held[0]
+                inner._axes[part.ref()] = self.axis(part)
+                inner._set_rows(part, *self._rows_of(part))
         inner.follow(body.get_operations())
         return inner
 
@@ -594,13 +601,15 @@ class RowAxes:
             # A branch's meetings are checked in the steps that take it (a cond inside a function: see _record).
             self._record(op, inner, held, ((op.inputs[0], body is bodies[0]),) if op.type in _BRANCHES else (),
                          {p.ref(): x for p, (x, _) in zip(body.inputs, inputs)})
-            results.append([(inner.axis(t), (inner.entries(t), inner.blocks(t)), inner._sources.get(t.ref()))
-                            for t in body.outputs])
+            results.append([(inner.axis(t), (inner.entries(t), inner.blocks(t)), inner._sources.get(t.ref()),
+                             inner._joins.get(t.ref())) for t in body.outputs])
         outputs = []
-        for tensor, (axis, rows, source), *others in zip(op.outputs, *results):
+        for tensor, (axis, rows, source, join), *others in zip(op.outputs, *results):
             if any(other[0] != axis or (isinstance(axis, int) and other[1] != rows) for other in others):
                 outputs.append(UNKNOWN)
                 continue
+            if join is not None and all(other[3] is join for other in others):  # a join of this graph's parts
+                self._joins[tensor.ref()] = join
             if isinstance(axis, int):
                 self._set_rows(tensor, *rows)
             if axis == STATISTIC and source is not None:
@@ -669,6 +678,8 @@ class RowAxes:
         ``UNKNOWN`` where it holds a join (recorded), or the batch's rows split back from it; a ``joined`` meeting
         where it reduces along the join."""
         self._own.add(op.name)
+        if op.type in _CALLS:  # followed inside, the join given to its body (not a loop's: its state changes)
+            return self._called(op, axes)
         outputs, met = row_joins.follow(op, axes, joins, self._counts_part)
         join = next(j for j in joins if j is not None)
         if met:

@@ -16,7 +16,10 @@ says what the ops reading it make of it:
   ``met``, a ``joined`` meeting. One process takes it over the global batch and those entries once, each worker
   over its own part and them, so the averaged gradient is not one process's (a custom ``train_step`` of that mean
   on 2 workers: 0.010 off one process after 3 epochs, silently, before this was seen);
-- anything else: ``UNKNOWN``, as any op ``row_axes`` does not follow (nothing refused).
+- a call of functions (a ``tf.function``, a ``tf.cond``'s branches): ``row_axes`` follows their bodies with the
+  join given to them;
+- anything else (a loop, whose state changes from step to step): ``UNKNOWN``, as any op ``row_axes`` does not follow
+  (nothing refused).
 """
 
 import dataclasses
