@@ -352,6 +352,17 @@ def test_rows_joined_to_other_entries_meet_where_reduced_along_the_join_and_spli
                     assert any(part is t for t in meeting.source.inputs), (rows, name)
 
 
+def test_entries_of_the_batch_s_size_joined_to_the_rows_are_not_a_join():
+    # Zeros shaped by the batch's size read while the step runs grow with the batch as its rows do: a mean over both
+    # is the workers' average of theirs, not a meeting (of a batch of static size the size is a constant: taken for
+    # entries of something else, so such a mean is refused there).
+    axes, _, output = _followed(lambda x, y: tf.reduce_mean(tf.concat([x, tf.zeros(tf.stack([tf.shape(y)[0], 3]))],
+                                                                      0)), None)
+    assert axes.axis(output) == UNKNOWN and not axes.meetings
+    axes, _, output = _followed(lambda x, y: tf.reduce_mean(tf.concat([x, tf.zeros([2, 3])], 0)), None)
+    assert [m.kind for m in axes.meetings] == ["joined"]
+
+
 def test_rows_taken_by_their_place_in_the_batch_are_sliced_meetings():
     # Before, each of these was UNKNOWN and met nothing: a loss of a batch laid out in halves and split trained 0.11
     # off one process, silently.

@@ -101,6 +101,9 @@ STATISTIC = "statistic"
 UNKNOWN = "unknown"
 ROW = "row"
 BACKWARD = "/gradient_tape/"  # the name scope of a tape's gradient ops
+_constant = traced_values.constant
+_dimension_read = traced_values.dimension_read
+_size = traced_values.size
 
 _UNARY = {
     "Identity", "Snapshot", "StopGradient", "PreventGradient", "Cast", "Neg", "Abs", "Square", "Sqrt", "Rsqrt", "Exp",
@@ -145,10 +148,6 @@ _NONLINEAR = (_UNARY - {"Identity", "Snapshot", "StopGradient", "PreventGradient
               | {"Maximum", "Minimum", "Pow", "SquaredDifference", "Xdivy", "Xlogy", "Atan2", "ClipByValue", "Max",
                  "Min", "Prod", "EuclideanNorm"} | _SOFTMAX)
 _PRODUCT_LIKE = {"Mul", "MulNoNan", "Einsum"} | PRODUCTS  # nonlinear when two statistics multiply
-_constant = traced_values.constant
-_dimension_read = traced_values.dimension_read
-_size = traced_values.size
-
 _QUOTIENTS = {"RealDiv", "Div", "DivNoNan"}  # nonlinear when a statistic divides
 _SELECTS = {"Select", "SelectV2"}  # nonlinear when a statistic chooses
 # Ops combining their inputs' values entry by entry or by products: one row of the batch meets what they combine it
@@ -663,7 +662,8 @@ class RowAxes:
             return STATISTIC
         if op.type == "ConcatV2" and joined in rows:  # the rows joined to other entries along them (row_joins)
             join = row_joins.made(op, value_axes, joined)
-            if join is not None:
+            if join is not None and not any(self._sized_by_the_batch(part) for k, part in enumerate(join.parts)
+                                            if k != join.rows):
                 self._joins[op.outputs[0].ref()] = join
             return UNKNOWN
         if len(rows) > 1:  # entry [i, j] of rows i of one and j of another, side by side: every pair of rows
@@ -692,6 +692,22 @@ class RowAxes:
                 entries, blocks = self._rows_of(join.held[0])
                 self._set_rows(tensor, entries * join.scale, blocks)
         return outputs
+
+    def _sized_by_the_batch(self, tensor, most=64):
+        """Whether ``tensor`` (without the batch's rows) is shaped by a size of a tensor holding them, read while the
+        step runs (``tf.zeros([tf.shape(x)[0], d])``): joined to the rows, it grows with the batch as they do, one
+        process's mean over both the workers' average of theirs (looked through ``most`` ops at most)."""
+        stack, seen = [tensor], set()
+        while stack and len(seen) < most:
+            current = stack.pop()
+            if current.ref() in seen:
+                continue
+            seen.add(current.ref())
+            if current.op.type in ("Shape", "ShapeN", "Size") and any(
+                    isinstance(self.axis(x), int) or x.ref() in self._joins for x in current.op.inputs):
+                return True
+            stack.extend(current.op.inputs)
+        return False
 
     def _counts_part(self, bound, join, k):
         """Whether ``bound`` (an int, or ``(tensor, axis)``: ``tf.shape(tensor)[axis]`` read while the step runs, or
