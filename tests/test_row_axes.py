@@ -324,6 +324,10 @@ JOINS = {
     "true and sampled ids looked up, the true rows": (
         lambda x, y: tf.split(tf.gather(_w(), tf.concat([_ids(x), _sampled()], 0)),
                               tf.stack([tf.shape(_ids(x))[0], 2]))[0], (0, 1, 1), []),
+    "a column of the looked-up rows, the true ids' split back": (
+        lambda x, y: tf.split(tf.gather(_w(), tf.concat([_ids(x), _sampled()], 0))[:, 0], [tf.shape(x)[0], -1])[0],
+        (0, 1, 1), []),
+    "all but the last entry": (lambda x, y: tf.reduce_mean(tf.concat([x, _w()], 0)[:-1]), (UNKNOWN, 1, 1), []),
     "the sampled rows": (
         lambda x, y: tf.split(tf.gather(_w(), tf.concat([_ids(x), _sampled()], 0)), [tf.shape(x)[0], 2])[1],
         (None, 1, 1), []),

@@ -135,7 +135,10 @@ def follow(op, axes, joins, counts):
         return [None, join], False
     if kind in ("Slice", "StridedSlice") and index == 0:
         bounds = _slice_bounds(op, join.axis, rank)
-        return [_part(join, *bounds, counts) if bounds else UNKNOWN], False
+        if bounds is None:
+            return unknown, False
+        part = _part(join, *bounds[:2], counts)
+        return [join.moved(bounds[2]) if part is join else bounds[2] if isinstance(part, int) else part], False
     if kind == "SplitV" and index == 0:
         return _split(op, join, rank, counts), False
     return unknown, False
@@ -184,24 +187,29 @@ def _reshaped(op, join):
 
 
 def _slice_bounds(op, axis, rank):
-    """``(begin, size)`` along ``axis`` of a ``Slice`` or of a plain ``StridedSlice`` (stride 1, no ellipsis, new
-    or shrunk axis; a size -1 to the end), each an int or ``(tensor, axis)`` read while the step runs; None where
-    not known."""
+    """``(begin, size, axis)`` of a ``Slice`` along ``axis``, or of a plain ``StridedSlice`` (stride 1, no ellipsis
+    or new axis; shrinking other axes) along it and where that axis is in its output: each bound an int or ``(tensor,
+    axis)`` read while the step runs, a size -1 to the end; None where not known (or a negative end)."""
     if op.type == "Slice":
         begin, size = _bound(op.inputs[1], axis), _bound(op.inputs[2], axis)
-        return None if begin is None or size is None else (begin, size)
-    if any(op.get_attr(name) for name in ("ellipsis_mask", "new_axis_mask", "shrink_axis_mask")):
+        return None if begin is None or size is None else (begin, size, axis)
+    if op.get_attr("ellipsis_mask") or op.get_attr("new_axis_mask"):
         return None
     strides, entries = traced_values.constant(op.inputs[3]), op.inputs[1].shape[0]
     if strides is None or entries is None or any(int(s) != 1 for s in np.ravel(strides)) or entries > rank:
         return None
+    shrunk = op.get_attr("shrink_axis_mask")
+    out = axis - sum((shrunk >> i) & 1 for i in range(min(axis, entries)))
     if axis >= entries:
-        return 0, -1  # the joined axis after the slice's entries: whole
+        return 0, -1, out  # the joined axis after the slice's entries: whole
+    if (shrunk >> axis) & 1:
+        return None
     begin = 0 if (op.get_attr("begin_mask") >> axis) & 1 else _bound(op.inputs[1], axis)
     end = -1 if (op.get_attr("end_mask") >> axis) & 1 else _bound(op.inputs[2], axis)
-    if begin is None or end is None or (end != -1 and begin != 0) or isinstance(end, int) and end < -1:
+    if (begin is None or end is None or (end != -1 and begin != 0)
+            or isinstance(end, int) and end < 0 and not (op.get_attr("end_mask") >> axis) & 1):
         return None
-    return begin, end  # from 0, the end is the size
+    return begin, end, out  # from 0, the end is the size
 
 
 def _split(op, join, rank, counts):
