@@ -24,9 +24,10 @@ and its output has fewer or more). Ops made under ``apart()`` (BatchNormalizatio
 ``sync_batch_norm=False``; Keras' masked mean loss, whose valid count the step counts over the workers itself; a
 scalar loss or metric recomputed on the batch's rows repeated twice, to tell a sum from a mean) and
 ``kp.all_gather``'s outputs are not followed. Rows taken by their place (copied once per row by a tile, reduced
-together with entries of something else joined to them: ``row_joins``) are checked only where a differentiated loss is computed from them (below): taken for a variable's write alone, the
-variable's aggregation combines them (``x[0]`` kept in an ``ONLY_FIRST_REPLICA`` variable: worker 0's, the global
-batch's). Only the forward pass's meetings are checked: the backward pass meets where it does.
+together with entries of something else joined to them: ``row_joins``) are checked only where a differentiated
+loss is computed from them (below): taken for a variable's write alone, the variable's aggregation combines them
+(``x[0]`` kept in an ``ONLY_FIRST_REPLICA`` variable: worker 0's, the global batch's). Only the forward pass's
+meetings are checked: the backward pass meets where it does.
 
 A statistic of the batch taken through a function other than a sum or a scaling (``row_axes``' ``nonlinear``: a
 root mean squared error as the loss, a loss divided by a statistic of the batch) is checked the same way, on the rows
