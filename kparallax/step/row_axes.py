@@ -677,9 +677,9 @@ class RowAxes:
         """The outputs of ``op`` reading a tensor that joins the batch's rows to other entries (``row_joins``):
         ``UNKNOWN`` where it holds a join (recorded), or the batch's rows split back from it; a ``joined`` meeting
         where it reduces along the join."""
-        self._own.add(op.name)
         if op.type in _CALLS:  # followed inside, the join given to its body (not a loop's: its state changes)
             return self._called(op, axes)
+        self._own.add(op.name)
         outputs, met = row_joins.follow(op, axes, joins, self._counts_part)
         join = next(j for j in joins if j is not None)
         if met:
@@ -761,9 +761,7 @@ class RowAxes:
     def _batch_size(self, size):
         """Whether scalar ``size`` is the count of the batch's rows read while the step runs (``tf.shape(x)[k]`` of
         a tensor ``x`` holding them on axis k), cast or reshaped."""
-        while size.op.type in ("Identity", "Cast", "Reshape", "Squeeze"):
-            size = size.op.inputs[0]
-        read = _dimension_read(size)
+        read = _dimension_read(traced_values.unwrapped(size))
         return read is not None and self.axis(read[0]) == read[1]
 
     def _reduced(self, op, axes):

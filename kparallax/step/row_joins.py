@@ -205,9 +205,10 @@ def _slice_bounds(op, axis, rank):
     if (shrunk >> axis) & 1:
         return None
     begin = 0 if (op.get_attr("begin_mask") >> axis) & 1 else _bound(op.inputs[1], axis)
-    end = -1 if (op.get_attr("end_mask") >> axis) & 1 else _bound(op.inputs[2], axis)
-    if (begin is None or end is None or (end != -1 and begin != 0)
-            or isinstance(end, int) and end < 0 and not (op.get_attr("end_mask") >> axis) & 1):
+    if (op.get_attr("end_mask") >> axis) & 1:
+        return None if begin is None else (begin, -1, out)  # to the end
+    end = _bound(op.inputs[2], axis)
+    if begin != 0 or end is None or isinstance(end, int) and end < 0:
         return None
     return begin, end, out  # from 0, the end is the size
 
@@ -299,8 +300,7 @@ def _read(scalar):
     value = traced_values.size(scalar) if scalar.shape.rank == 0 else None
     if value is not None:
         return int(value)
-    while scalar.op.type in ("Identity", "Cast", "Reshape", "Squeeze"):
-        scalar = scalar.op.inputs[0]
+    scalar = traced_values.unwrapped(scalar)
     if scalar.op.type == "Mul":
         factors = [traced_values.constant(x) for x in scalar.op.inputs]
         for read, factor in ((scalar.op.inputs[0], factors[1]), (scalar.op.inputs[1], factors[0])):

@@ -18,6 +18,14 @@ def constant(tensor, depth=8):
     return None if any(x is None for x in inputs) else np.asarray(_FOLDED[tensor.op.type](*inputs))
 
 
+def unwrapped(size):
+    """Scalar ``size`` read through the ops that pass a size on unchanged (``Identity``, ``Cast``, ``Reshape``,
+    ``Squeeze``)."""
+    while size.op.type in ("Identity", "Cast", "Reshape", "Squeeze"):
+        size = size.op.inputs[0]
+    return size
+
+
 def dimension_read(size):
     """``(x, k)`` when scalar ``size`` is ``tf.shape(x)[k]`` (a ``StridedSlice`` of a ``Shape``, begin ``[k]``,
     shrunk), k counted from the front; else None."""
