@@ -336,6 +336,36 @@ JOINS = {
     "the true rows' softmax over the batch": (
         lambda x, y: tf.nn.softmax(tf.split(tf.gather(_w(), tf.concat([_ids(x), _sampled()], 0)),
                                             [tf.shape(x)[0], -1])[0], axis=0), (UNKNOWN, 1, 1), ["softmax"]),
+    # a new axis; through loops and lists (a Keras RNN reads its time steps from a list in a while loop)
+    "a new axis, a mean along the rows": (lambda x, y: tf.reduce_mean(tf.concat([x, _w()], 0)[:, None] * 2.0, axis=0),
+                                          (UNKNOWN, 1, 1), ["joined"]),
+    "a new axis after an ellipsis, the rows sliced back": (
+        lambda x, y: tf.concat([x, _w()], 0)[..., None][:tf.shape(x)[0]], (0, 1, 1), []),
+    "a Keras LSTM's last output of it, its mean": (
+        lambda x, y: tf.reduce_mean(tf.keras.layers.LSTM(2)(tf.concat([x, _w()], 0)[:, None, :] * tf.ones([1, 4, 1]))),
+        (UNKNOWN, 1, 1), ["joined"]),
+    "a Keras GRU's sequences of it, the rows split back": (
+        lambda x, y: tf.split(tf.keras.layers.GRU(2, return_sequences=True)(
+            tf.concat([x, _w()], 0)[:, None, :] * tf.ones([1, 4, 1])), [tf.shape(x)[0], -1])[0], (0, 1, 1), []),
+    "a bidirectional GRU's sequences of it, their mean": (
+        lambda x, y: tf.reduce_mean(tf.keras.layers.Bidirectional(tf.keras.layers.GRU(2, return_sequences=True))(
+            tf.concat([x, _w()], 0)[:, None, :] * tf.ones([1, 4, 1]))), (UNKNOWN, 1, 1), ["joined"]),
+    "a scan over its columns, its mean": (
+        lambda x, y: tf.reduce_mean(tf.scan(lambda h, c: h * 0.5 + c, tf.transpose(tf.concat([x, _w()], 0)))),
+        (UNKNOWN, 1, 1), ["joined"]),
+    "a while loop's state from it, its mean": (
+        lambda x, y: tf.reduce_mean(tf.while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, tf.tanh(h @ _w())),
+                                                  (0, tf.concat([x, _w()], 0)))[1]), (UNKNOWN, 1, 1), ["joined"]),
+    "a while loop's state from it, the rows split back": (
+        lambda x, y: tf.split(tf.while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, tf.tanh(h @ _w())),
+                                            (0, tf.concat([x, _w()], 0)))[1], [tf.shape(x)[0], -1])[0], (0, 1, 1), []),
+    "a while loop reading it into a zeros state, its mean": (
+        lambda x, y: (lambda j: tf.reduce_mean(tf.while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, h + j * 2.0),
+                                                             (0, tf.zeros_like(j)))[1]))(tf.concat([x, _w()], 0)),
+        (UNKNOWN, 1, 1), ["joined"]),
+    "its columns in a TensorArray stacked back, a mean along the rows": (
+        lambda x, y: tf.reduce_mean(tf.TensorArray(tf.float32, 3).unstack(tf.transpose(tf.concat([x, _w()], 0)))
+                                    .stack(), axis=1), (UNKNOWN, 1, 1), ["joined"]),
 }
 
 

@@ -458,18 +458,19 @@ class RowAxes:
         held += [self._joins[x.ref()].held for x, _ in inputs if x.ref() in self._joins]  # a join's: its rows' part
         return tuple(held)
 
-    def _inner(self, body, inputs, rows=None):
+    def _inner(self, body, inputs, rows=None, joins=None):
         """A ``RowAxes`` of function graph ``body`` whose placeholders get the rows of ``inputs`` (pairs (tensor,
-        axis) of this graph; their entries per row and blocks, or ``rows``' (pairs)), followed."""
+        axis) of this graph; their entries per row and blocks, or ``rows``' (pairs); their joins, or ``joins``'),
+        followed."""
         inner = RowAxes((), depth=self._depth + 1)
         rows = rows or [self._rows_of(x) for x, _ in inputs]
-        for placeholder, (x, axis), (entries, blocks) in zip(body.inputs, inputs, rows):
+        joins = joins or [self._joins.get(x.ref()) for x, _ in inputs]
+        for placeholder, (x, axis), (entries, blocks), join in zip(body.inputs, inputs, rows, joins):
             if axis is not None:
                 inner._axes[placeholder.ref()] = axis
             inner._set_rows(placeholder, entries, blocks)
             if x.ref() in self._sources:
                 inner._sources[placeholder.ref()] = self._sources[x.ref()]
-            join = self._joins.get(x.ref())
             if join is not None:  # the join's parts are this graph's: their rows' axis and entries too
                 inner._joins[placeholder.ref()] = join
                 part = join.held[0]
@@ -502,19 +503,26 @@ class RowAxes:
                 or len(bodies[0].inputs) != len(op.inputs) or len(bodies[0].outputs) != len(op.inputs)):
             return unknown
         state, rows = list(axes), [self._rows_of(x) for x in op.inputs]
+        joins = [self._joins.get(x.ref()) for x in op.inputs]
+        entering = [join for join in joins if join is not None]
         for _ in range(_ROUNDS):
-            inner = self._inner(bodies[0], list(zip(op.inputs, state)), rows)
+            inner = self._inner(bodies[0], list(zip(op.inputs, state)), rows, joins)
             after = [_union(a, inner.axis(t)) for a, t in zip(state, bodies[0].outputs)]
             rows_after = [inner._rows_of(t) if _has_rows(a) else (1, 1) for a, t in zip(after, bodies[0].outputs)]
-            if after == state and rows_after == rows:
+            joins_after = [_carried_join(a, join, inner._joins.get(t.ref()), entering)
+                           for a, join, t in zip(state, joins, bodies[0].outputs)]
+            if after == state and rows_after == rows and all(
+                    j is k or j is not None and j.same(k) for j, k in zip(joins, joins_after)):
                 held = self._held(list(zip(op.inputs, axes)))
                 self._carried(op, bodies[0], state, held)
                 self._record(op, inner, held)
-                for x, y, kept in zip(op.inputs, op.outputs, rows):
+                for x, y, kept, join in zip(op.inputs, op.outputs, rows, joins):
                     self._same_list(x, y)
                     self._set_rows(y, *kept)
+                    if join is not None:
+                        self._joins[y.ref()] = join
                 return state
-            state, rows = after, rows_after
+            state, rows, joins = after, rows_after, joins_after
         return unknown
 
     def _carried(self, op, body, state, held):
@@ -677,8 +685,12 @@ class RowAxes:
         """The outputs of ``op`` reading a tensor that joins the batch's rows to other entries (``row_joins``):
         ``UNKNOWN`` where it holds a join (recorded), or the batch's rows split back from it; a ``joined`` meeting
         where it reduces along the join."""
-        if op.type in _CALLS:  # followed inside, the join given to its body (not a loop's: its state changes)
+        if op.type in _CALLS:  # followed inside, the join given to its body
             return self._called(op, axes)
+        if op.type in _LOOPS:  # its body followed until its variables settle, a join among them or not
+            return self._looped(op, axes)
+        if op.type in _METADATA:  # its shape: no rows
+            return [None] * len(op.outputs)
         self._own.add(op.name)
         outputs, met = row_joins.follow(op, axes, joins, self._counts_part)
         join = next(j for j in joins if j is not None)
@@ -926,6 +938,18 @@ def _union(a, b):
     if a == b or b is None:
         return a
     return b if a is None else UNKNOWN
+
+
+def _carried_join(before, join, out, entering):
+    """The join a loop's variable holds (or None) from its rows' axis ``before`` and its join ``join`` at a step of
+    the loop, and its join ``out`` after it: a variable without rows at first (a ``tf.zeros`` state) becoming a join
+    of one of the joins ``entering`` the loop, or the same join from step to step; None (not followed) otherwise. A
+    join made in the loop's body (of its own tensors) is not carried out of it."""
+    if out is None or not any(out.source is other.source for other in entering):
+        return None
+    if join is None:
+        return out if before is None else None
+    return join if join.same(out) else None
 
 
 def _alone(axes):

@@ -6,8 +6,9 @@ own part. ``row_axes`` gives such a tensor the rows' axis ``UNKNOWN`` and a ``Jo
 says what the ops reading it make of it:
 - computed entry by entry (a cast, an element-wise op with values without rows or with a join of the same layout,
   as replayed inputs' predictions and their labels, a product with a weight, a gather at the joined ids, a
-  reduction along another axis, a reshape splitting each entry into a whole count of entries): the same join, its
-  axis moved;
+  reduction along another axis, a reshape splitting each entry into a whole count of entries, a new axis, a reversal
+  or equal split along another axis, a tile or broadcast along other axes, joins of the same layout put side by
+  side along another axis): the same join, its axis moved;
 - split or sliced at the parts' edges (bounds known while tracing, or read from the parts' sizes while the step
   runs: ``tf.split(x, [tf.shape(rows)[0], -1])``, ``tf.slice(x, [0], tf.shape(rows))``): each part back, the
   batch's rows (``int``: their axis) or entries without them (``None``), as a sampled softmax looks up the true and
@@ -16,10 +17,12 @@ says what the ops reading it make of it:
   ``met``, a ``joined`` meeting. One process takes it over the global batch and those entries once, each worker
   over its own part and them, so the averaged gradient is not one process's (a custom ``train_step`` of that mean
   on 2 workers: 0.010 off one process after 3 epochs, silently, before this was seen);
-- a call of functions (a ``tf.function``, a ``tf.cond``'s branches): ``row_axes`` follows their bodies with the
-  join given to them;
-- anything else (a loop, whose state changes from step to step): ``UNKNOWN``, as any op ``row_axes`` does not follow
-  (nothing refused).
+- made into a list along another axis (``tf.TensorArray.unstack``, as a Keras RNN reads its time steps): a list
+  whose elements are the join (``listed``); an element read, a join written (the RNN's outputs, one per time step)
+  and the list stacked back keep it;
+- a call of functions (a ``tf.function``, a ``tf.cond``'s branches) or a loop: ``row_axes`` follows their bodies with
+  the join given to them (a loop's variable a join while it stays one from step to step);
+- anything else: ``UNKNOWN``, as any op ``row_axes`` does not follow (nothing refused).
 """
 
 import dataclasses
@@ -31,13 +34,15 @@ from kparallax.step import traced_values
 UNKNOWN = "unknown"
 
 _PER_ENTRY = {"Identity", "Snapshot", "StopGradient", "PreventGradient", "Cast", "CheckNumerics",
-              "CheckNumericsV2", "EnsureShape", "Neg", "Abs", "Square", "Sqrt", "Exp", "Log", "Log1p", "Sigmoid",
+              "CheckNumericsV2", "EnsureShape", "ZerosLike", "OnesLike", "Neg", "Abs", "Square", "Sqrt", "Exp", "Log", "Log1p", "Sigmoid",
               "Tanh", "Relu", "Softplus"}
 _ELEMENTWISE = {"Add", "AddV2", "Sub", "Mul", "MulNoNan", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum",
                 "SquaredDifference", "Equal", "NotEqual", "Less", "LessEqual", "Greater", "GreaterEqual", "SelectV2",
                 "BiasAdd"}
 _REDUCTIONS = {"Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm"}
 _SOFTMAX = {"Softmax", "LogSoftmax"}
+_LISTS = {"TensorListFromTensor", "TensorListGetItem", "TensorListSetItem", "TensorListPushBack",
+          "TensorListPopBack", "TensorListStack", "TensorListLength", "TensorListElementShape"}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # compared by identity: it holds graph tensors
@@ -52,10 +57,19 @@ class Join:
     rows: int
     source: object
     scale: int = 1  # entries of the joined axis per entry of a part (a reshape split each into as many)
+    listed: bool = False  # a list whose elements are the join (on their axis ``axis``)
 
-    def moved(self, axis):
-        """The same join on ``axis`` of another tensor (computed from this one entry by entry)."""
-        return self if axis == self.axis else dataclasses.replace(self, axis=axis)
+    def moved(self, axis, listed=None):
+        """The same join on ``axis`` of another tensor (computed from this one entry by entry); of a list's
+        elements if ``listed`` (None: as this one)."""
+        listed = self.listed if listed is None else listed
+        return self if (axis, listed) == (self.axis, self.listed) else dataclasses.replace(self, axis=axis,
+                                                                                           listed=listed)
+
+    def same(self, other):
+        """Whether ``other`` is this join on the same axis (of a list's elements alike)."""
+        return other is not None and (other.source, other.axis, other.scale, other.listed) == (
+            self.source, self.axis, self.scale, self.listed)
 
     @property
     def held(self):
@@ -81,8 +95,13 @@ def follow(op, axes, joins, counts):
     unknown = [UNKNOWN] * len(op.outputs)
     held = [(k, join) for k, join in enumerate(joins) if join is not None]
     index, join = held[0]
-    if not all(_aligned(join, other, counts) for _, other in held[1:]) or any(
-            axis is not None for axis, other in zip(axes, joins) if other is None):
+    if any(axis is not None for axis, other in zip(axes, joins) if other is None):
+        return unknown, False
+    if op.type in _LISTS:
+        return _listed(op, joins), False
+    if any(other.listed for _, other in held):  # a list: passed on as it is, or read by a list op alone
+        return ([join] if op.type in ("Identity", "Snapshot") and len(held) == 1 else unknown), False
+    if not all(_aligned(join, other, counts) for _, other in held[1:]):
         return unknown, False
     kind, x = op.type, op.inputs[index]
     rank = x.shape.rank
@@ -94,6 +113,8 @@ def follow(op, axes, joins, counts):
         out_rank = op.outputs[0].shape.rank
         moved = {join.axis + out_rank - op.inputs[k].shape.rank for k, join in held}
         return ([join.moved(moved.pop())] if len(moved) == 1 and out_rank is not None else unknown), False
+    if kind in ("ConcatV2", "Pack"):  # joins side by side (a bidirectional RNN's two directions): each entry's own
+        return _side_by_side(op, held, rank), False
     if len(held) > 1:
         return unknown, False
     if kind in _REDUCTIONS and index == 0:
@@ -141,7 +162,68 @@ def follow(op, axes, joins, counts):
         return [join.moved(bounds[2]) if part is join else bounds[2] if isinstance(part, int) else part], False
     if kind == "SplitV" and index == 0:
         return _split(op, join, rank, counts), False
+    if kind == "Tile" and index == 0:  # copies along other axes (a mask tiled over an RNN's units)
+        multiples = traced_values.constant(op.inputs[1])
+        if multiples is None or int(np.ravel(multiples)[join.axis]) != 1:
+            return unknown, False
+        return [join], False
+    if kind == "BroadcastTo" and index == 0:  # new axes before it, or other axes of size 1 broadcast
+        out_rank, size = op.outputs[0].shape.rank, x.shape[join.axis]
+        if out_rank is None or size == 1:
+            return unknown, False
+        return [join.moved(join.axis + out_rank - rank)], False
+    if kind == "ReverseV2" and index == 0:  # (a bidirectional RNN's backward time steps)
+        reversed_axes = traced_values.constant(op.inputs[1])
+        if reversed_axes is None or join.axis in {int(a) % rank for a in np.ravel(reversed_axes)}:
+            return unknown, False
+        return [join], False
+    if kind == "Split" and index == 1:  # (axis, value) in equal parts: along another axis (an LSTM's gates)
+        along = traced_values.constant(op.inputs[0])
+        if along is None or int(np.ravel(along)[0]) % rank == join.axis:
+            return unknown, False
+        return [join] * len(op.outputs), False
     return unknown, False
+
+
+def _side_by_side(op, held, rank):
+    """``ConcatV2`` or ``Pack`` of joins alone (``held``: pairs (input, join), aligned), each on the same axis: the
+    join, where they are put together along another axis; ``UNKNOWN`` otherwise."""
+    values = len(op.inputs) - (op.type == "ConcatV2")
+    axis = held[0][1].axis
+    if len(held) != values or any(join.axis != axis for _, join in held):
+        return [UNKNOWN]
+    if op.type == "Pack":
+        along = op.get_attr("axis") % (rank + 1)
+        return [held[0][1].moved(axis + 1 if along <= axis else axis)]
+    along = traced_values.constant(op.inputs[-1])
+    return [UNKNOWN] if along is None or int(np.ravel(along)[0]) % rank == axis else [held[0][1]]
+
+
+def _listed(op, joins):
+    """The outputs of list op ``op`` reading a join or a list of one (``joins``: per input): a tensor's slices along
+    an axis before the join made into a list of the join, an element read, a join written to a list without rows
+    or of the same join, the list stacked back on axis 0; ``UNKNOWN`` otherwise (a list of the join's entries)."""
+    kind, unknown = op.type, [UNKNOWN] * len(op.outputs)
+    listed, item = joins[0], joins[-1]
+    if kind == "TensorListFromTensor":
+        return [listed.moved(listed.axis - 1, True)] if listed is not None and listed.axis else unknown
+    if kind in ("TensorListLength", "TensorListElementShape"):
+        return [None]
+    if kind in ("TensorListSetItem", "TensorListPushBack"):
+        if item is None or item.listed or any(j is not None for j in joins[1:-1]) or (
+                listed is not None and not listed.same(item.moved(item.axis, True))):
+            return unknown
+        return [item.moved(item.axis, True)]
+    if listed is None or not listed.listed or any(j is not None for j in joins[1:]):
+        return unknown
+    element = listed.moved(listed.axis, False)
+    if kind == "TensorListGetItem":
+        return [element]
+    if kind == "TensorListPopBack":
+        return [listed, element]
+    if kind == "TensorListStack":
+        return [element.moved(element.axis + 1)]
+    return unknown
 
 
 def _aligned(join, other, counts):
@@ -187,27 +269,43 @@ def _reshaped(op, join):
 
 
 def _slice_bounds(op, axis, rank):
-    """``(begin, size, axis)`` of a ``Slice`` along ``axis``, or of a plain ``StridedSlice`` (stride 1, no ellipsis
-    or new axis; shrinking other axes) along it and where that axis is in its output: each bound an int or ``(tensor,
+    """``(begin, size, axis)`` of a ``Slice`` along ``axis``, or of a ``StridedSlice`` of stride 1 along it (other
+    axes shrunk, new ones added, an ellipsis) and where that axis is in its output: each bound an int or ``(tensor,
     axis)`` read while the step runs, a size -1 to the end; None where not known (or a negative end)."""
     if op.type == "Slice":
         begin, size = _bound(op.inputs[1], axis), _bound(op.inputs[2], axis)
         return None if begin is None or size is None else (begin, size, axis)
-    if op.get_attr("ellipsis_mask") or op.get_attr("new_axis_mask"):
-        return None
     strides, entries = traced_values.constant(op.inputs[3]), op.inputs[1].shape[0]
-    if strides is None or entries is None or any(int(s) != 1 for s in np.ravel(strides)) or entries > rank:
+    if strides is None or entries is None:
         return None
-    shrunk = op.get_attr("shrink_axis_mask")
-    out = axis - sum((shrunk >> i) & 1 for i in range(min(axis, entries)))
-    if axis >= entries:
-        return 0, -1, out  # the joined axis after the slice's entries: whole
-    if (shrunk >> axis) & 1:
-        return None
-    begin = 0 if (op.get_attr("begin_mask") >> axis) & 1 else _bound(op.inputs[1], axis)
-    if (op.get_attr("end_mask") >> axis) & 1:
+    masks = {name: op.get_attr(name + "_mask") for name in ("begin", "end", "ellipsis", "new_axis", "shrink_axis")}
+    bit = lambda name, i: (masks[name] >> i) & 1  # pylint: disable=unnecessary-lambda-assignment
+    read = sum(not bit("new_axis", i) and not bit("ellipsis", i) for i in range(entries))  # input axes named
+    dim = out = 0  # the input's and the output's axis at entry i
+    for i in range(entries):
+        if bit("ellipsis", i):
+            covered = rank - read
+            if dim <= axis < dim + covered:
+                return 0, -1, out + axis - dim  # the joined axis within the ellipsis: whole
+            dim, out = dim + covered, out + covered
+        elif bit("new_axis", i):
+            out += 1
+        elif dim == axis:
+            if bit("shrink_axis", i) or int(np.ravel(strides)[i]) != 1:
+                return None
+            return _slice_entry(op, i, bit("begin", i), bit("end", i), out)
+        else:
+            dim, out = dim + 1, out + (not bit("shrink_axis", i))
+    return 0, -1, out + axis - dim  # the joined axis after the slice's entries: whole
+
+
+def _slice_entry(op, i, from_start, to_end, out):
+    """``(begin, size, out)`` of entry ``i`` of a strided slice along the joined axis (at ``out`` in its output);
+    None where not known, or not from 0 to an end or from a part's edge to the end."""
+    begin = 0 if from_start else _bound(op.inputs[1], i)
+    if to_end:
         return None if begin is None else (begin, -1, out)  # to the end
-    end = _bound(op.inputs[2], axis)
+    end = _bound(op.inputs[2], i)
     if begin != 0 or end is None or isinstance(end, int) and end < 0:
         return None
     return begin, end, out  # from 0, the end is the size

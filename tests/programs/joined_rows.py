@@ -10,6 +10,8 @@ Usage: joined_rows.py OUT_DIR MODE [VARIANT]
   VARIANT=gathered: the prior joined to kp.all_gather(per_example) under kparallax (the reference is unchanged).
   VARIANT=replayed: no prior; 4 fixed replayed examples joined to each batch (inputs and labels) and the compiled
   mean squared error of the model on them (``compute_loss``), in the reference too.
+  VARIANT=replayed_lstm: as replayed, the model an LSTM of 2 units over each example's 3 values as time steps (its
+  loop over the time steps reads the joined rows from a list), then the dense layer.
 64 rows, a global batch of 32, 3 epochs, SGD; writes OUT_DIR/joined.npz (the weights) from worker 0 (or the
 process).
 """
@@ -27,14 +29,15 @@ ROWS, GLOBAL_BATCH = 64, 32
 class PriorJoined(tf.keras.Model):
     """A dense regressor whose loss joins each example's squared error to the squared kernel entries (a prior)."""
 
-    def __init__(self, gather=None, replayed=None):
+    def __init__(self, gather=None, replayed=None, lstm=False):
         super().__init__()
         self.dense = tf.keras.layers.Dense(1)
+        self.lstm = tf.keras.layers.LSTM(2) if lstm else None
         self.gather = gather or (lambda rows: rows)
         self.replayed = replayed
 
     def call(self, x):
-        return self.dense(x)
+        return self.dense(x if self.lstm is None else self.lstm(x[:, :, None]))
 
     def train_step(self, data):
         x, y = data
@@ -59,7 +62,7 @@ def main(out_dir, mode, variant=""):
     x = rng.normal(size=(ROWS, 3)).astype(np.float32)
     y = rng.normal(size=(ROWS, 1)).astype(np.float32)
     replayed = None
-    if variant == "replayed":
+    if variant.startswith("replayed"):
         replayed = (tf.constant(rng.normal(size=(4, 3)), tf.float32), tf.constant(rng.normal(size=(4, 1)), tf.float32))
     if mode == "reference":
         scope, batch, chief = contextlib.nullcontext, GLOBAL_BATCH, True
@@ -68,9 +71,9 @@ def main(out_dir, mode, variant=""):
         strategy = kp.HybridStrategy()
         scope, batch, chief = strategy.scope, GLOBAL_BATCH // strategy.num_workers, strategy.is_chief
     with scope():
-        model = PriorJoined(kp.all_gather if variant == "gathered" else None, replayed)
+        model = PriorJoined(kp.all_gather if variant == "gathered" else None, replayed, variant == "replayed_lstm")
         model.build((None, 3))
-        model.set_weights([np.full((3, 1), 0.5, np.float32), np.zeros(1, np.float32)])
+        model.set_weights([np.full(w.shape, 0.5 if w.ndim > 1 else 0.0, np.float32) for w in model.get_weights()])
         model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss="mse" if replayed is not None else None)
         model.fit(x, y, batch_size=batch, epochs=3, shuffle=False, verbose=0)
     if chief:
