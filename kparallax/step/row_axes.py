@@ -509,10 +509,9 @@ class RowAxes:
             inner = self._inner(bodies[0], list(zip(op.inputs, state)), rows, joins)
             after = [_union(a, inner.axis(t)) for a, t in zip(state, bodies[0].outputs)]
             rows_after = [inner._rows_of(t) if _has_rows(a) else (1, 1) for a, t in zip(after, bodies[0].outputs)]
-            joins_after = [_carried_join(a, join, inner._joins.get(t.ref()), entering)
+            joins_after = [self._carried_join(a, join, inner._joins.get(t.ref()), entering)
                            for a, join, t in zip(state, joins, bodies[0].outputs)]
-            if after == state and rows_after == rows and all(
-                    j is k or j is not None and j.same(k) for j, k in zip(joins, joins_after)):
+            if after == state and rows_after == rows and all(j is k for j, k in zip(joins, joins_after)):
                 held = self._held(list(zip(op.inputs, axes)))
                 self._carried(op, bodies[0], state, held)
                 self._record(op, inner, held)
@@ -524,6 +523,18 @@ class RowAxes:
                 return state
             state, rows, joins = after, rows_after, joins_after
         return unknown
+
+    def _carried_join(self, before, join, out, entering):
+        """The join a loop's variable holds (or None) from its rows' axis ``before`` and its join ``join`` at a step
+        of the loop, and its join ``out`` after it: a variable without rows at first (a ``tf.zeros`` state) becoming
+        a join of one of the joins ``entering`` the loop, or a join of the same layout from step to step (kept: a
+        masked RNN's output, chosen by the mask's join, replacing the inputs' before it); None (not followed)
+        otherwise. A join made in the loop's body (of its own tensors) is not carried out of it."""
+        if out is None or not any(out.source is other.source for other in entering):
+            return None
+        if join is None:
+            return out if before is None else None
+        return join if row_joins.equivalent(join, out, self._counts_part) else None
 
     def _carried(self, op, body, state, held):
         """Records a ``carried`` meeting at loop ``op`` (of ``body``, its variables' settled axes ``state``) when it
@@ -938,18 +949,6 @@ def _union(a, b):
     if a == b or b is None:
         return a
     return b if a is None else UNKNOWN
-
-
-def _carried_join(before, join, out, entering):
-    """The join a loop's variable holds (or None) from its rows' axis ``before`` and its join ``join`` at a step of
-    the loop, and its join ``out`` after it: a variable without rows at first (a ``tf.zeros`` state) becoming a join
-    of one of the joins ``entering`` the loop, or the same join from step to step; None (not followed) otherwise. A
-    join made in the loop's body (of its own tensors) is not carried out of it."""
-    if out is None or not any(out.source is other.source for other in entering):
-        return None
-    if join is None:
-        return out if before is None else None
-    return join if join.same(out) else None
 
 
 def _alone(axes):

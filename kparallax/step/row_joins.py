@@ -77,6 +77,13 @@ class Join:
         return self.parts[self.rows], self.along
 
 
+def equivalent(join, other, counts):
+    """Whether ``other`` is ``join``, or a join of the same layout (``_aligned``: a mask joined as the inputs are),
+    on the same axis of a list's elements alike. ``counts``: as ``follow``'s."""
+    return join.same(other) or (other is not None and (other.axis, other.listed) == (join.axis, join.listed)
+                                and _aligned(join, other, counts))
+
+
 def made(op, value_axes, along):
     """The ``Join`` of ``ConcatV2`` ``op`` along ``along`` of inputs of rows' axes ``value_axes``, when exactly one
     holds the batch's rows, on that axis, and the others none; else None."""
@@ -98,7 +105,7 @@ def follow(op, axes, joins, counts):
     if any(axis is not None for axis, other in zip(axes, joins) if other is None):
         return unknown, False
     if op.type in _LISTS:
-        return _listed(op, joins), False
+        return _listed(op, joins, counts), False
     if any(other.listed for _, other in held):  # a list: passed on as it is, or read by a list op alone
         return ([join] if op.type in ("Identity", "Snapshot") and len(held) == 1 else unknown), False
     if not all(_aligned(join, other, counts) for _, other in held[1:]):
@@ -199,7 +206,7 @@ def _side_by_side(op, held, rank):
     return [UNKNOWN] if along is None or int(np.ravel(along)[0]) % rank == axis else [held[0][1]]
 
 
-def _listed(op, joins):
+def _listed(op, joins, counts):
     """The outputs of list op ``op`` reading a join or a list of one (``joins``: per input): a tensor's slices along
     an axis before the join made into a list of the join, an element read, a join written to a list without rows
     or of the same join, the list stacked back on axis 0; ``UNKNOWN`` otherwise (a list of the join's entries)."""
@@ -211,9 +218,9 @@ def _listed(op, joins):
         return [None]
     if kind in ("TensorListSetItem", "TensorListPushBack"):
         if item is None or item.listed or any(j is not None for j in joins[1:-1]) or (
-                listed is not None and not listed.same(item.moved(item.axis, True))):
+                listed is not None and not equivalent(listed, item.moved(item.axis, True), counts)):
             return unknown
-        return [item.moved(item.axis, True)]
+        return [listed or item.moved(item.axis, True)]
     if listed is None or not listed.listed or any(j is not None for j in joins[1:]):
         return unknown
     element = listed.moved(listed.axis, False)
