@@ -363,6 +363,15 @@ JOINS = {
         lambda x, y: (lambda j: tf.reduce_mean(tf.while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, h + j * 2.0),
                                                              (0, tf.zeros_like(j)))[1]))(tf.concat([x, _w()], 0)),
         (UNKNOWN, 1, 1), ["joined"]),
+    # tf.map_fn over its entries (a list of them): each entry's own, stacked back the join
+    "a map over its entries, its mean": (lambda x, y: tf.reduce_mean(tf.map_fn(lambda e: e * 2.0,
+                                                                               tf.concat([x, _w()], 0))),
+                                         (UNKNOWN, 1, 1), ["joined"]),
+    "a map of each entry's sum, the rows sliced back": (
+        lambda x, y: tf.map_fn(lambda e: tf.reduce_sum(e), tf.concat([x, _w()], 0))[:tf.shape(x)[0]], (0, 1, 1), []),
+    "a scan carrying a value along its entries, the rows sliced back": (
+        lambda x, y: tf.scan(lambda a, e: a * 0.5 + e, tf.concat([x, _w()], 0))[:tf.shape(x)[0]], (UNKNOWN, 1, 1),
+        ["joined"]),
     "its columns in a TensorArray stacked back, a mean along the rows": (
         lambda x, y: tf.reduce_mean(tf.TensorArray(tf.float32, 3).unstack(tf.transpose(tf.concat([x, _w()], 0)))
                                     .stack(), axis=1), (UNKNOWN, 1, 1), ["joined"]),

@@ -598,6 +598,15 @@ JOINED_LOSSES = {
     "a_join_averaged_in_a_function": (
         lambda q, d, w: tf.function(tf.reduce_mean)(tf.concat([tf.reduce_sum(q @ w, axis=1), tf.reshape(w, [-1])], 0)),
         "(Mean " + _JOINED),
+    # tf.map_fn over replayed examples joined to the batch (each entry's own), their mean
+    "a_map_over_replayed_examples_averaged": (
+        lambda q, d, w: tf.reduce_mean(tf.map_fn(lambda e: tf.reduce_sum(tf.square(e)),
+                                                 tf.concat([q, tf.ones([2, 3])], 0) @ w)),
+        "(Mean " + _JOINED),
+    # a value carried along the rows and a prior joined after them (tf.scan), the rows' part kept
+    "a_scan_along_the_rows_and_a_prior": (
+        lambda q, d, w: tf.reduce_sum(tf.scan(lambda a, e: a * 0.5 + e, tf.concat([(q @ w)[:, 0], w[:, 0]], 0))[
+            :tf.shape(q)[0]]), "runs along the axis where concat (ConcatV2) joins the rows of the batch"),
     "a_softmax_over_the_rows_and_the_weight_s": (
         lambda q, d, w: tf.reduce_sum(tf.square(tf.nn.softmax(tf.concat([(q @ w)[:, 0], w[:, 0]], 0)))),
         "(Softmax " + _JOINED),

@@ -219,7 +219,7 @@ class RowAxes:
         self._blocks = {}  # a tensor's ref -> k >= 2: its rows' axis holds k blocks, each every row of the batch
         self._own = set()  # the names of ops whose outputs' entries and blocks their own rule set (not ``_merge``)
         self._listed_from = {}  # a list's ref -> (the tensor it was made of, that tensor's rows' axis)
-        self._row_indices = set()  # the refs of the indices a list of rows was read at
+        self._row_indices = set()  # the refs of the indices a list of rows (or of a join's entries) was read at
         self._joins = {}  # a tensor's ref -> its row_joins.Join: the batch's rows joined to other entries
         self.cuts = []  # Cut: each reshape of the step's own graph into entries holding parts of rows or whole rows
 
@@ -505,8 +505,10 @@ class RowAxes:
         state, rows = list(axes), [self._rows_of(x) for x in op.inputs]
         joins = [self._joins.get(x.ref()) for x in op.inputs]
         entering = [join for join in joins if join is not None]
+        carried = None  # a join's entry carried to the next (tf.scan's accumulator over them)
         for _ in range(_ROUNDS):
             inner = self._inner(bodies[0], list(zip(op.inputs, state)), rows, joins)
+            carried = carried or _entry_carried(bodies[0], inner)
             after = [_union(a, inner.axis(t)) for a, t in zip(state, bodies[0].outputs)]
             rows_after = [inner._rows_of(t) if _has_rows(a) else (1, 1) for a, t in zip(after, bodies[0].outputs)]
             joins_after = [self._carried_join(a, join, inner._joins.get(t.ref()), entering)
@@ -514,6 +516,8 @@ class RowAxes:
             if after == state and rows_after == rows and all(j is k for j, k in zip(joins, joins_after)):
                 held = self._held(list(zip(op.inputs, axes)))
                 self._carried(op, bodies[0], state, held)
+                if carried is not None:
+                    self.meetings.append(Meeting(op, "joined", (carried.held,), carried.source))
                 self._record(op, inner, held)
                 for x, y, kept, join in zip(op.inputs, op.outputs, rows, joins):
                     self._same_list(x, y)
@@ -530,7 +534,8 @@ class RowAxes:
         a join of one of the joins ``entering`` the loop, or a join of the same layout from step to step (kept: a
         masked RNN's output, chosen by the mask's join, replacing the inputs' before it); None (not followed)
         otherwise. A join made in the loop's body (of its own tensors) is not carried out of it."""
-        if out is None or not any(out.source is other.source for other in entering):
+        if out is None or not any(out.source is other.source for other in entering) or (
+                out.axis == row_joins.ENTRY):  # (a value carried from entry to entry: not followed)
             return None
         if join is None:
             return out if before is None else None
@@ -703,8 +708,11 @@ class RowAxes:
         if op.type in _METADATA:  # its shape: no rows
             return [None] * len(op.outputs)
         self._own.add(op.name)
-        outputs, met = row_joins.follow(op, axes, joins, self._counts_part)
+        at_read_index = op.type == "TensorListSetItem" and op.inputs[1].ref() in self._row_indices
+        outputs, met = row_joins.follow(op, axes, joins, self._counts_part, at_read_index)
         join = next(j for j in joins if j is not None)
+        if op.type == "TensorListGetItem" and join.axis == row_joins.EACH:  # an entry read: its index
+            self._row_indices.add(op.inputs[1].ref())
         if met:
             self.meetings.append(Meeting(op, "joined", (join.held,), join.source))
         for k, (tensor, out) in enumerate(zip(op.outputs, outputs)):
@@ -922,6 +930,17 @@ def _unwrapped(tensor):
     while tensor.op.type == "Identity" and tensor.op.inputs:
         tensor = tensor.op.inputs[0]
     return tensor
+
+
+def _entry_carried(body, inner):
+    """The join (``row_joins.ENTRY``) of a variable of loop ``body`` (followed: ``inner``) computed in a step from its
+    own value before and one entry of a join, a value carried from entry to entry along it; None if none is."""
+    for before, after in zip(body.inputs, body.outputs):
+        join = inner._joins.get(after.ref())  # pylint: disable=protected-access
+        out = _unwrapped(after)
+        if join is not None and join.axis == row_joins.ENTRY and out.ref() != before.ref() and _reads(out, before):
+            return join
+    return None
 
 
 def _reads(tensor, source):

@@ -16,10 +16,13 @@ says what the ops reading it make of it:
 - reduced or taken a softmax of along the joined axis (``tf.reduce_mean(tf.concat([per_example, prior], 0))``):
   ``met``, a ``joined`` meeting. One process takes it over the global batch and those entries once, each worker
   over its own part and them, so the averaged gradient is not one process's (a custom ``train_step`` of that mean
-  on 2 workers: 0.010 off one process after 3 epochs, silently, before this was seen);
+  on 2 workers: 0.010 off one process after 3 epochs, silently, before this was seen); so is a loop carrying a
+  value from entry to entry along it (a ``tf.scan`` over its entries: ``row_axes`` records it at the loop);
 - made into a list along another axis (``tf.TensorArray.unstack``, as a Keras RNN reads its time steps): a list
   whose elements are the join (``listed``); an element read, a join written (the RNN's outputs, one per time step)
-  and the list stacked back keep it;
+  and the list stacked back keep it. Along the join, a list of its entries (``EACH``, ``tf.map_fn``'s): an element
+  read is one entry (``ENTRY``), anything computed from it alone is of that entry, and written at the index it was
+  read at, the list is the entries again, stacked back the join;
 - a call of functions (a ``tf.function``, a ``tf.cond``'s branches) or a loop: ``row_axes`` follows their bodies with
   the join given to them (a loop's variable a join while it stays one from step to step);
 - anything else: ``UNKNOWN``, as any op ``row_axes`` does not follow (nothing refused).
@@ -41,6 +44,8 @@ _ELEMENTWISE = {"Add", "AddV2", "Sub", "Mul", "MulNoNan", "RealDiv", "Div", "Div
                 "BiasAdd"}
 _REDUCTIONS = {"Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm"}
 _SOFTMAX = {"Softmax", "LogSoftmax"}
+ENTRY = "entry"  # a Join's axis: a value of one entry of the join (an element of its list of entries)
+EACH = "each"  # a listed Join's axis: a list whose element i is entry i of the join (``tf.map_fn``'s over it)
 _LISTS = {"TensorListFromTensor", "TensorListGetItem", "TensorListSetItem", "TensorListPushBack",
           "TensorListPopBack", "TensorListStack", "TensorListLength", "TensorListElementShape"}
 
@@ -93,23 +98,25 @@ def made(op, value_axes, along):
     return Join(along, tuple(op.inputs[:-1]), along, rows[0], op)
 
 
-def follow(op, axes, joins, counts):
+def follow(op, axes, joins, counts, at_read_index=False):
     """``(outputs, met)`` of graph ``op`` reading a join (``joins``: per input, its ``Join`` or None; ``axes``:
     per input, its rows' axis): per output a ``Join``, the batch's rows' axis, None or ``UNKNOWN`` (see the module
     docstring), and ``met`` True when the op reduces along the joined axis. ``counts(bound, join, k)`` says whether
     a bound (an int, or ``(tensor, axis)`` read while the step runs) is the count of entries of the join's part
-    ``k``."""
+    ``k``; ``at_read_index``: a list write's index is one a list of a join's entries was read at."""
     unknown = [UNKNOWN] * len(op.outputs)
     held = [(k, join) for k, join in enumerate(joins) if join is not None]
     index, join = held[0]
     if any(axis is not None for axis, other in zip(axes, joins) if other is None):
         return unknown, False
     if op.type in _LISTS:
-        return _listed(op, joins, counts), False
+        return _listed(op, joins, counts, at_read_index), False
     if any(other.listed for _, other in held):  # a list: passed on as it is, or read by a list op alone
         return ([join] if op.type in ("Identity", "Snapshot") and len(held) == 1 else unknown), False
     if not all(_aligned(join, other, counts) for _, other in held[1:]):
         return unknown, False
+    if any(other.axis == ENTRY for _, other in held):  # computed from one entry (and values without rows): its own
+        return ([join] * len(op.outputs) if all(other.axis == ENTRY for _, other in held) else unknown), False
     kind, x = op.type, op.inputs[index]
     rank = x.shape.rank
     if rank is None:
@@ -206,30 +213,36 @@ def _side_by_side(op, held, rank):
     return [UNKNOWN] if along is None or int(np.ravel(along)[0]) % rank == axis else [held[0][1]]
 
 
-def _listed(op, joins, counts):
+def _listed(op, joins, counts, at_read_index):
     """The outputs of list op ``op`` reading a join or a list of one (``joins``: per input): a tensor's slices along
-    an axis before the join made into a list of the join, an element read, a join written to a list without rows
-    or of the same join, the list stacked back on axis 0; ``UNKNOWN`` otherwise (a list of the join's entries)."""
+    an axis before the join made into a list of the join, along the join a list of its entries (``EACH``, as
+    ``tf.map_fn`` reads them); an element read (of the entries: one entry, ``ENTRY``); a join written to a list
+    without rows or of the same layout (one entry at the index an entry was read at: a list of the entries); the
+    list stacked back on axis 0; ``UNKNOWN`` otherwise."""
     kind, unknown = op.type, [UNKNOWN] * len(op.outputs)
     listed, item = joins[0], joins[-1]
     if kind == "TensorListFromTensor":
-        return [listed.moved(listed.axis - 1, True)] if listed is not None and listed.axis else unknown
+        if listed is None or listed.axis == ENTRY:
+            return unknown
+        return [listed.moved(listed.axis - 1 if listed.axis else EACH, True)]
     if kind in ("TensorListLength", "TensorListElementShape"):
         return [None]
     if kind in ("TensorListSetItem", "TensorListPushBack"):
-        if item is None or item.listed or any(j is not None for j in joins[1:-1]) or (
-                listed is not None and not equivalent(listed, item.moved(item.axis, True), counts)):
+        if item is None or item.listed or any(j is not None for j in joins[1:-1]):
             return unknown
-        return [listed or item.moved(item.axis, True)]
+        if item.axis == ENTRY and not (kind == "TensorListSetItem" and at_read_index):
+            return unknown
+        written = item.moved(EACH if item.axis == ENTRY else item.axis, True)
+        return [listed or written] if listed is None or equivalent(listed, written, counts) else unknown
     if listed is None or not listed.listed or any(j is not None for j in joins[1:]):
         return unknown
-    element = listed.moved(listed.axis, False)
+    element = listed.moved(ENTRY if listed.axis == EACH else listed.axis, False)
     if kind == "TensorListGetItem":
         return [element]
-    if kind == "TensorListPopBack":
+    if kind == "TensorListPopBack" and listed.axis != EACH:
         return [listed, element]
     if kind == "TensorListStack":
-        return [element.moved(element.axis + 1)]
+        return [element.moved(0 if listed.axis == EACH else element.axis + 1)]
     return unknown
 
 
