@@ -531,8 +531,8 @@ class RowAxes:
     def _carried_join(self, before, join, out, entering):
         """The join a loop's variable holds (or None) from its rows' axis ``before`` and its join ``join`` at a step
         of the loop, and its join ``out`` after it: a variable without rows at first (a ``tf.zeros`` state) becoming
-        a join of one of the joins ``entering`` the loop, or a join of the same layout from step to step (kept: a
-        masked RNN's output, chosen by the mask's join, replacing the inputs' before it); None (not followed)
+        a join of one of the joins ``entering`` the loop, or a join of the same layout from step to step (kept: a value
+        chosen by a mask's join, or multiplied by it, where it was the inputs' before); None (not followed)
         otherwise. A join made in the loop's body (of its own tensors) is not carried out of it."""
         if out is None or not any(out.source is other.source for other in entering) or (
                 out.axis == row_joins.ENTRY):  # (a value carried from entry to entry: not followed)

@@ -37,8 +37,8 @@ from kparallax.step import traced_values
 UNKNOWN = "unknown"
 
 _PER_ENTRY = {"Identity", "Snapshot", "StopGradient", "PreventGradient", "Cast", "CheckNumerics",
-              "CheckNumericsV2", "EnsureShape", "ZerosLike", "OnesLike", "Neg", "Abs", "Square", "Sqrt", "Exp", "Log", "Log1p", "Sigmoid",
-              "Tanh", "Relu", "Softplus"}
+              "CheckNumericsV2", "EnsureShape", "ZerosLike", "OnesLike", "Neg", "Abs", "Square", "Sqrt", "Exp", "Log",
+              "Log1p", "Sigmoid", "Tanh", "Relu", "Softplus"}
 _ELEMENTWISE = {"Add", "AddV2", "Sub", "Mul", "MulNoNan", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum",
                 "SquaredDifference", "Equal", "NotEqual", "Less", "LessEqual", "Greater", "GreaterEqual", "SelectV2",
                 "BiasAdd"}
@@ -106,14 +106,15 @@ def follow(op, axes, joins, counts, at_read_index=False):
     ``k``; ``at_read_index``: a list write's index is one a list of a join's entries was read at."""
     unknown = [UNKNOWN] * len(op.outputs)
     held = [(k, join) for k, join in enumerate(joins) if join is not None]
-    index, join = held[0]
+    # the join of a value before a mask's (a masked RNN's tf.where(mask, output, before): the inputs' join named)
+    index, join = next(((k, j) for k, j in held if not op.inputs[k].dtype.is_bool), held[0])
     if any(axis is not None for axis, other in zip(axes, joins) if other is None):
         return unknown, False
     if op.type in _LISTS:
         return _listed(op, joins, counts, at_read_index), False
     if any(other.listed for _, other in held):  # a list: passed on as it is, or read by a list op alone
         return ([join] if op.type in ("Identity", "Snapshot") and len(held) == 1 else unknown), False
-    if not all(_aligned(join, other, counts) for _, other in held[1:]):
+    if not all(_aligned(join, other, counts) for _, other in held if other is not join):
         return unknown, False
     if any(other.axis == ENTRY for _, other in held):  # computed from one entry (and values without rows): its own
         return ([join] * len(op.outputs) if all(other.axis == ENTRY for _, other in held) else unknown), False
