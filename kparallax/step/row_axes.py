@@ -130,8 +130,7 @@ PADS = ("Pad", "PadV2", "MirrorPad")  # tf.pad: constant, REFLECT / SYMMETRIC
 _BRANCHES = {"If", "StatelessIf"}  # a tf.cond: (predicate, inputs...), its branches called with the inputs
 _LOOPS = {"While", "StatelessWhile"}  # a tf.while_loop: its variables in and out, its body called with them
 _CALLS = {"PartitionedCall", "StatefulPartitionedCall"} | _BRANCHES
-_LISTS = {"TensorListFromTensor", "TensorListGetItem", "TensorListSetItem", "TensorListPushBack",
-          "TensorListPopBack", "TensorListStack", "TensorListLength", "TensorListElementShape"}  # lists of tensors
+_LISTS = row_joins.LISTS  # lists of tensors
 _ROUNDS = 4  # a loop's body followed until its variables' axes settle, at most this many times
 _DEEPEST = 8  # functions called inside functions: followed this many levels deep
 _SOFTMAX = {"Softmax", "LogSoftmax"}
@@ -549,8 +548,7 @@ class RowAxes:
         if not any(isinstance(a, Listed) and a.element == ROW and not a.one_row for a in state):
             return
         for k, axis in enumerate(state):
-            out = _unwrapped(body.outputs[k])
-            if axis == ROW and out.ref() != body.inputs[k].ref() and _reads(out, body.inputs[k]):
+            if axis == ROW and _from_itself(body, k):
                 self.meetings.append(Meeting(op, "carried", held or ((op.inputs[k], ROW),)))
                 return
 
@@ -589,7 +587,7 @@ class RowAxes:
                 if first is not None and isinstance(first.element, int) and written != listed:
                     return [UNKNOWN]
                 listed = written
-            rows = kind == "TensorListSetItem" and op.inputs[1].ref() in self._row_indices  # at a row's index
+            rows = self._at_read_index(op)  # at a row's index
             self._same_list(op.inputs[0], op.outputs[0])
             merged = _union(first, Listed(item, one_row=item == ROW and not rows) if item is not None else None)
             self._set_rows(op.outputs[0], *listed)
@@ -607,6 +605,10 @@ class RowAxes:
         if kind == "TensorListStack" and (isinstance(first.element, int) or first.element == ROW):
             return [first.element + 1 if first.element != ROW else ROW if first.one_row else 0]
         return [UNKNOWN] * len(op.outputs)
+
+    def _at_read_index(self, op):
+        """Whether ``op`` writes a list's element at an index a list of rows (or of a join's entries) was read at."""
+        return op.type == "TensorListSetItem" and op.inputs[1].ref() in self._row_indices
 
     def _called(self, op, axes):
         """A call of functions (a ``tf.function``'s body, a ``tf.cond``'s branches): its outputs' rows' axes, from
@@ -708,8 +710,7 @@ class RowAxes:
         if op.type in _METADATA:  # its shape: no rows
             return [None] * len(op.outputs)
         self._own.add(op.name)
-        at_read_index = op.type == "TensorListSetItem" and op.inputs[1].ref() in self._row_indices
-        outputs, met = row_joins.follow(op, axes, joins, self._counts_part, at_read_index)
+        outputs, met = row_joins.follow(op, axes, joins, self._counts_part, self._at_read_index(op))
         join = next(j for j in joins if j is not None)
         if op.type == "TensorListGetItem" and join.axis == row_joins.EACH:  # an entry read: its index
             self._row_indices.add(op.inputs[1].ref())
@@ -935,12 +936,18 @@ def _unwrapped(tensor):
 def _entry_carried(body, inner):
     """The join (``row_joins.ENTRY``) of a variable of loop ``body`` (followed: ``inner``) computed in a step from its
     own value before and one entry of a join, a value carried from entry to entry along it; None if none is."""
-    for before, after in zip(body.inputs, body.outputs):
+    for k, after in enumerate(body.outputs):
         join = inner._joins.get(after.ref())  # pylint: disable=protected-access
-        out = _unwrapped(after)
-        if join is not None and join.axis == row_joins.ENTRY and out.ref() != before.ref() and _reads(out, before):
+        if join is not None and join.axis == row_joins.ENTRY and _from_itself(body, k):
             return join
     return None
+
+
+def _from_itself(body, k):
+    """Whether variable ``k`` of loop ``body`` comes out of a step computed from its own value before it (not only
+    its shape), not passed on unchanged."""
+    out = _unwrapped(body.outputs[k])
+    return out.ref() != body.inputs[k].ref() and _reads(out, body.inputs[k])
 
 
 def _reads(tensor, source):
@@ -1066,30 +1073,13 @@ def _strided_slice(op, axes):
         return [STATISTIC]
     if not isinstance(axis, int) or any(a is not None for a in axes[1:]) or rank is None:
         return [UNKNOWN]
-    begin, end, strides = (_static(x) for x in op.inputs[1:4])
-    masks = {name: op.get_attr(name) for name in ("begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask",
-                                                   "shrink_axis_mask")}
-    entries = len(begin)
-    spanned = rank - sum(1 for i in range(entries)
-                         if not (masks["new_axis_mask"] >> i) & 1 and not (masks["ellipsis_mask"] >> i) & 1)
-    position, out = 0, 0  # the input axis and output axis the next entry reads and makes
-    for i in range(entries):
-        if (masks["ellipsis_mask"] >> i) & 1:
-            if position <= axis < position + spanned:
-                return [out + axis - position]
-            position, out = position + spanned, out + spanned
-        elif (masks["new_axis_mask"] >> i) & 1:
-            out += 1
-        elif (masks["shrink_axis_mask"] >> i) & 1:
-            if position == axis:
-                return [UNKNOWN]
-            position += 1
-        else:
-            if position == axis:
-                whole = (masks["begin_mask"] >> i) & 1 and (masks["end_mask"] >> i) & 1 and strides[i] == 1
-                return [out if whole else UNKNOWN]
-            position, out = position + 1, out + 1
-    return [out + axis - position]  # an axis after the entries passes through
+    begin, _, strides = (_static(x) for x in op.inputs[1:4])
+    entry, out = traced_values.strided_axis(op, axis, rank, len(begin))
+    if entry is None or out is None:  # whole (in an ellipsis, after the entries), or shrunk
+        return [UNKNOWN if out is None else out]
+    whole = ((op.get_attr("begin_mask") >> entry) & 1 and (op.get_attr("end_mask") >> entry) & 1
+             and strides[entry] == 1)
+    return [out if whole else UNKNOWN]
 
 
 def _gather(op, axes):

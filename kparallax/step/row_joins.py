@@ -46,8 +46,8 @@ _REDUCTIONS = {"Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm"}
 _SOFTMAX = {"Softmax", "LogSoftmax"}
 ENTRY = "entry"  # a Join's axis: a value of one entry of the join (an element of its list of entries)
 EACH = "each"  # a listed Join's axis: a list whose element i is entry i of the join (``tf.map_fn``'s over it)
-_LISTS = {"TensorListFromTensor", "TensorListGetItem", "TensorListSetItem", "TensorListPushBack",
-          "TensorListPopBack", "TensorListStack", "TensorListLength", "TensorListElementShape"}
+LISTS = {"TensorListFromTensor", "TensorListGetItem", "TensorListSetItem", "TensorListPushBack",
+         "TensorListPopBack", "TensorListStack", "TensorListLength", "TensorListElementShape"}  # list ops
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # compared by identity: it holds graph tensors
@@ -71,11 +71,6 @@ class Join:
         return self if (axis, listed) == (self.axis, self.listed) else dataclasses.replace(self, axis=axis,
                                                                                            listed=listed)
 
-    def same(self, other):
-        """Whether ``other`` is this join on the same axis (of a list's elements alike)."""
-        return other is not None and (other.source, other.axis, other.scale, other.listed) == (
-            self.source, self.axis, self.scale, self.listed)
-
     @property
     def held(self):
         """The pair (tensor, axis) holding the batch's rows: the part of them, at the join."""
@@ -85,8 +80,9 @@ class Join:
 def equivalent(join, other, counts):
     """Whether ``other`` is ``join``, or a join of the same layout (``_aligned``: a mask joined as the inputs are),
     on the same axis of a list's elements alike. ``counts``: as ``follow``'s."""
-    return join.same(other) or (other is not None and (other.axis, other.listed) == (join.axis, join.listed)
-                                and _aligned(join, other, counts))
+    if other is None or (other.axis, other.listed) != (join.axis, join.listed):
+        return False
+    return _aligned(join, other, counts)
 
 
 def made(op, value_axes, along):
@@ -110,7 +106,7 @@ def follow(op, axes, joins, counts, at_read_index=False):
     index, join = next(((k, j) for k, j in held if not op.inputs[k].dtype.is_bool), held[0])
     if any(axis is not None for axis, other in zip(axes, joins) if other is None):
         return unknown, False
-    if op.type in _LISTS:
+    if op.type in LISTS:
         return _listed(op, joins, counts, at_read_index), False
     if any(other.listed for _, other in held):  # a list: passed on as it is, or read by a list op alone
         return ([join] if op.type in ("Identity", "Snapshot") and len(held) == 1 else unknown), False
@@ -299,25 +295,13 @@ def _slice_bounds(op, axis, rank):
     strides, entries = traced_values.constant(op.inputs[3]), op.inputs[1].shape[0]
     if strides is None or entries is None:
         return None
-    masks = {name: op.get_attr(name + "_mask") for name in ("begin", "end", "ellipsis", "new_axis", "shrink_axis")}
-    bit = lambda name, i: (masks[name] >> i) & 1  # pylint: disable=unnecessary-lambda-assignment
-    read = sum(not bit("new_axis", i) and not bit("ellipsis", i) for i in range(entries))  # input axes named
-    dim = out = 0  # the input's and the output's axis at entry i
-    for i in range(entries):
-        if bit("ellipsis", i):
-            covered = rank - read
-            if dim <= axis < dim + covered:
-                return 0, -1, out + axis - dim  # the joined axis within the ellipsis: whole
-            dim, out = dim + covered, out + covered
-        elif bit("new_axis", i):
-            out += 1
-        elif dim == axis:
-            if bit("shrink_axis", i) or int(np.ravel(strides)[i]) != 1:
-                return None
-            return _slice_entry(op, i, bit("begin", i), bit("end", i), out)
-        else:
-            dim, out = dim + 1, out + (not bit("shrink_axis", i))
-    return 0, -1, out + axis - dim  # the joined axis after the slice's entries: whole
+    entry, out = traced_values.strided_axis(op, axis, rank, entries)
+    if entry is None:
+        return 0, -1, out  # the joined axis within an ellipsis or after the slice's entries: whole
+    if out is None or int(np.ravel(strides)[entry]) != 1:  # shrunk, or strided
+        return None
+    return _slice_entry(op, entry, (op.get_attr("begin_mask") >> entry) & 1, (op.get_attr("end_mask") >> entry) & 1,
+                        out)
 
 
 def _slice_entry(op, i, from_start, to_end, out):

@@ -18,6 +18,28 @@ def constant(tensor, depth=8):
     return None if any(x is None for x in inputs) else np.asarray(_FOLDED[tensor.op.type](*inputs))
 
 
+def strided_axis(op, axis, rank, entries):
+    """Where input axis ``axis`` of ``StridedSlice`` ``op`` (of an input of rank ``rank``, its spec of ``entries``
+    entries) goes: ``(entry, out)``, the spec's entry slicing it and its axis in the output (None where that entry
+    shrinks it), or ``(None, out)`` where it passes whole (within an ellipsis, or after the entries)."""
+    masks = {name: op.get_attr(name + "_mask") for name in ("ellipsis", "new_axis", "shrink_axis")}
+    bit = lambda name, i: (masks[name] >> i) & 1  # pylint: disable=unnecessary-lambda-assignment
+    spanned = rank - sum(not bit("new_axis", i) and not bit("ellipsis", i) for i in range(entries))
+    position = out = 0  # the input axis and output axis the next entry reads and makes
+    for i in range(entries):
+        if bit("ellipsis", i):
+            if position <= axis < position + spanned:
+                return None, out + axis - position
+            position, out = position + spanned, out + spanned
+        elif bit("new_axis", i):
+            out += 1
+        elif position == axis:
+            return i, None if bit("shrink_axis", i) else out
+        else:
+            position, out = position + 1, out + (not bit("shrink_axis", i))
+    return None, out + axis - position
+
+
 def unwrapped(size):
     """Scalar ``size`` read through the ops that pass a size on unchanged (``Identity``, ``Cast``, ``Reshape``,
     ``Squeeze``)."""
