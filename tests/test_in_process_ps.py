@@ -402,6 +402,67 @@ def test_architecture_ps_reads_each_dense_ps_variable_once_per_step_and_trains_e
     assert _reads_in_loops(model) == 0
 
 
+class _Recomputed(tf.keras.layers.Layer):
+    """A Dense layer under ``tf.recompute_grad``: its forward pass runs with the tapes stopped, its gradient
+    recomputes it under a tape of its own."""
+
+    def build(self, shape):
+        self.dense = tf.keras.layers.Dense(4, activation="tanh")
+        self.dense.build(shape)
+
+    def call(self, x):
+        return tf.recompute_grad(self.dense)(x)
+
+
+class _TwoTapes(tf.keras.Model):
+    """A step summing the gradients of two losses, each taken by its own tape (the second one opened after the
+    first read every weight)."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as first:
+            loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
+        grads = first.gradient(loss, self.trainable_variables)
+        with tf.GradientTape() as second:
+            penalty = 0.5 * tf.reduce_mean(tf.abs(self(x, training=True) - y))
+        more = second.gradient(penalty, self.trainable_variables)
+        self.optimizer.apply_gradients(zip([tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
+                                            for a, b in zip(grads, more)], self.trainable_variables))
+        return {"loss": loss}
+
+
+def _recomputed(name):
+    ids = tf.keras.Input((LEN,), dtype=tf.int32)
+    pooled = tf.keras.layers.GlobalAveragePooling1D()(tf.keras.layers.Embedding(VOCAB, EMB)(ids))
+    return tf.keras.Model(ids, tf.keras.layers.Dense(1)(_Recomputed()(pooled)), name=name)
+
+
+def _two_tapes(name):
+    ids = tf.keras.Input((LEN,), dtype=tf.int32)
+    pooled = tf.keras.layers.GlobalAveragePooling1D()(tf.keras.layers.Embedding(VOCAB, EMB)(ids))
+    return _TwoTapes(ids, tf.keras.layers.Dense(1)(tf.keras.layers.Dense(4, activation="tanh")(pooled)), name=name)
+
+
+@pytest.mark.parametrize("build", [_recomputed, _two_tapes], ids=["recompute_grad", "two-tapes"])
+def test_a_dense_ps_variable_s_one_read_reaches_every_tape_of_the_step(strategy, build):
+    """The step's one read of a dense PS variable is recorded on every tape that reads it, whenever the read was
+    made. Before: made under ``tf.recompute_grad``'s forward (tapes stopped), or before a second tape was opened, it
+    reached no later tape: the recomputed Dense layer's weights got a zero gradient and never moved (0.16 off plain
+    Keras after 2 epochs, silently), and a second tape's gradients were None (``ValueError: None values not
+    supported``)."""
+    ps_strategy = kp.HybridStrategy(strategy.cluster, architecture="ps")
+    plain = build(f"plain_{build.__name__}")
+    expected_loss = _train(plain, tf.keras.optimizers.SGD(0.1))
+    with ps_strategy.scope():
+        model = build(f"ps_{build.__name__}")
+        loss = _train(model, tf.keras.optimizers.SGD(0.1))
+    assert all(ps_strategy.is_ps_variable(v) for v in model.trainable_variables)
+    for got, want, start in zip(model.get_weights(), plain.get_weights(), _initial(plain)):
+        assert np.abs(want - start).max() > 1e-3, "every weight moves in plain Keras: the check is not vacuous"
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+
+
 def _batch_gathers(model):
     """The traced train step's gathers whose ids are the batch's own (through casts and reshapes): a row fetched
     once per occurrence of its id."""

@@ -698,6 +698,16 @@ def test_rows_taken_by_their_place_for_a_write_or_a_logged_value_alone_run():
     assert _loss_refusal(lambda q, d, w: tf.reduce_mean(tf.pad(q, [[0, 4 - tf.shape(d)[0]], [0, 0]]) @ w)) is None
 
 
+def test_a_recomputed_gradient_runs_and_rows_its_function_takes_by_place_are_refused():
+    # tf.recompute_grad's gradient recomputes its function under a tape of its own, from inputs made to depend on the
+    # upstream gradient's first value (reshape(dresult[0], [-1])[:1]): that tape's target is the backward pass's, not
+    # a loss of the step. Before: refused as the first row of the batch taken as an anchor.
+    assert _loss_refusal(lambda q, d, w: tf.reduce_mean(tf.square(tf.recompute_grad(lambda x: tf.tanh(x @ w))(q)))) \
+        is None
+    anchored = _loss_refusal(lambda q, d, w: tf.reduce_mean(tf.square(tf.recompute_grad(lambda x: (x - x[:1]) @ w)(q))))
+    assert anchored is not None and "(StridedSlice takes rows of the batch by their place in it" in anchored
+
+
 def _b(t):
     return tf.shape(t)[0]
 

@@ -188,6 +188,18 @@ def record_gather(variable, ids, output, indices_made=None):
     _record.record_operation("ResourceGather", [output], [variable.handle, ids], backward)
 
 
+def record_read(variable, output):
+    """Records ``output`` on the tapes recording now as a read of ``variable`` (private ``record.record_operation``,
+    as TensorFlow's own graph-mode read records itself: ``ReadVariableOp``, the gradient passed to the handle),
+    however and whenever ``output`` was made. A read made once and reused (``cached_reads``) reaches a tape that was
+    not recording when it was made: a tape opened later in the step, the tape ``tf.recompute_grad``'s gradient
+    recomputes its function under, or any tape when the read was made under ``tf.recompute_grad``'s forward, which
+    stops recording. A tape that recorded it already maps it to the same gradient again. Nothing while recording is
+    stopped."""
+    _record.record_operation("ReadVariableOp", [output], [variable.handle], backward_function=lambda x: [x],
+                             forward_function=lambda x: [x])
+
+
 def tape_may_record():
     """Whether a gradient tape is active (private ``record.could_possibly_record``)."""
     return _record.could_possibly_record()
@@ -223,26 +235,38 @@ def _swapped(owners, name, value):
             setattr(owner, name, old)
 
 
-def recording_gradients(record):
+def recording_gradients(record, outermost_only=False):
     """While active, every ``tf.GradientTape.gradient`` call and every ``tf.gradients`` call (``tf.compat.v1`` too)
     in this process hands ``record(target, sources, gradients)`` what it was asked and what it returns (then returns
     it). Swapped for the duration: the public method on TensorFlow's class
     (``tensorflow.python.eager.backprop.GradientTape``, which ``tf.GradientTape`` is), which Keras' ``train_step`` and
     a user's reach through ``tape.gradient`` or an optimizer's ``compute_gradients``; and the graph gradients' helper
     ``gradients_util._GradientsHelper``, which ``tf.gradients`` calls (and a ``tf.cond``'s or ``tf.while_loop``'s
-    gradient, inside the function of its own: its sources are that function's tensors, not variables)."""
+    gradient, inside the function of its own: its sources are that function's tensors, not variables).
+
+    With ``outermost_only``, a call made while another one computes its gradients is not handed over: it is part of
+    that backward pass (``tf.recompute_grad``'s gradient differentiates its function again under a tape of its own;
+    a custom gradient may take one), not a loss the step differentiates. A tape inside another's forward pass (a
+    gradient penalty) runs before the outer call and is handed over."""
     original = _backprop.GradientTape.gradient
     helper = _gradients_util._GradientsHelper  # pylint: disable=protected-access
+    depth = [0]
+
+    def recorded(call, target, sources, args, kwargs):
+        depth[0] += 1
+        try:
+            result = call(target, sources, *args, **kwargs)
+        finally:
+            depth[0] -= 1
+        if not (outermost_only and depth[0]):
+            record(target, sources, result)
+        return result
 
     def gradient(self, target, sources, *args, **kwargs):
-        result = original(self, target, sources, *args, **kwargs)
-        record(target, sources, result)
-        return result
+        return recorded(functools.partial(original, self), target, sources, args, kwargs)
 
     def graph_gradients(ys, xs, *args, **kwargs):
-        result = helper(ys, xs, *args, **kwargs)
-        record(ys, xs, result)
-        return result
+        return recorded(helper, ys, xs, args, kwargs)
 
     return _swapped_each([(_backprop.GradientTape, "gradient", gradient),
                           (_gradients_util, "_GradientsHelper", graph_gradients)])

@@ -29,6 +29,7 @@ def policy(variable, read):
         with tf_compat.enter_graph(graph):
             cache[key] = read()
     tf_compat.mark_accessed(variable)
+    tf_compat.record_read(variable, cache[key])  # on the tapes recording now, each read as TensorFlow's would be
     return cache[key]
 
 

@@ -29,12 +29,13 @@ loss is computed from them (below): taken for a variable's write alone, the vari
 (``x[0]`` kept in an ``ONLY_FIRST_REPLICA`` variable: worker 0's, the global batch's). Only the forward pass's
 meetings are checked: the backward pass meets where it does.
 
-A statistic of the batch taken through a function other than a sum or a scaling (``row_axes``' ``nonlinear``: a
-root mean squared error as the loss, a loss divided by a statistic of the batch) is checked the same way, on the rows
-of the reduced tensor, where a loss the step differentiates is computed from it (the targets of its
-``tape.gradient`` and ``tf.gradients`` calls, recorded while the step is traced): a root of a mean logged beside the
-loss changes no weight. A loss function compiled with the model gets here only what ``batch_statistics`` could not
-make global.
+A statistic of the batch taken through a function other than a sum or a scaling (``row_axes``' ``nonlinear``: a root
+mean squared error as the loss, a loss divided by a statistic of the batch) is checked the same way, on the rows of
+the reduced tensor, where a loss the step differentiates is computed from it (the targets of its ``tape.gradient``
+and ``tf.gradients`` calls, recorded while the step is traced; not a call made while another one computes its
+gradients, such as the tape ``tf.recompute_grad``'s gradient recomputes its function under: that is the backward
+pass): a root of a mean logged beside the loss changes no weight. A loss function compiled with the model gets here
+only what ``batch_statistics`` could not make global.
 
 A reshape of the batch's rows into entries holding k whole rows or parts of consecutive rows (``row_axes.Cut``:
 pairs laid out row after row, ``[B, 3] -> [-1, 2]``) gets a check that runs before it: the worker's part of the
@@ -89,7 +90,7 @@ def refused(num_workers, micro_batches, data):
         targets.extend(t for t in tf.nest.flatten(target) if tf.is_tensor(t) and getattr(t, "graph", None) is graph)
 
     try:
-        with tf_compat.recording_gradients(record):
+        with tf_compat.recording_gradients(record, outermost_only=True):
             yield
         marked, apart_ops = _ACTIVE.gathered, _ACTIVE.apart
     finally:

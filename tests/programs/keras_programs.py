@@ -2056,6 +2056,41 @@ def dlrm(scope, batch):
     return model
 
 
+
+class RecomputedBlock(tf.keras.layers.Layer):
+    """Gradient checkpointing as users write it: a table's lookup (averaged), and a Dense layer on the features,
+    each under ``tf.recompute_grad`` (the forward pass runs with the tapes stopped; backprop runs it again under a
+    tape of its own to take the gradients, from inputs it makes depend on the upstream gradient's first value)."""
+
+    def build(self, shapes):
+        self.table = tf.keras.layers.Embedding(VOCAB, EMB)
+        self.table.build(shapes[0])
+        self.dense = tf.keras.layers.Dense(4, activation="tanh")
+        self.dense.build(shapes[1])
+
+    def call(self, inputs):
+        ids, features = inputs
+        return (tf.recompute_grad(lambda x: tf.reduce_mean(self.table(x), axis=1))(ids),
+                tf.recompute_grad(self.dense)(features))
+
+
+def recomputed_block(scope, batch):
+    """RecomputedBlock's two outputs, each into a Dense unit, added; Adam, NumPy arrays of 128 rows in whole batches
+    (the step traced for a batch of a known size); every epoch's logs kept."""
+    ids, rng = _ids(59)
+    features = rng.normal(size=(ROWS, 3)).astype(np.float32)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    with scope():
+        inputs = [tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.Input((3,))]
+        pooled, hidden = RecomputedBlock()(inputs)
+        model = tf.keras.Model(inputs, tf.keras.layers.Add()([tf.keras.layers.Dense(1)(pooled),
+                                                              tf.keras.layers.Dense(1)(hidden)]))
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.05), loss="mse", metrics=["mae"])
+        history = model.fit((ids, features), y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+    model.logged = [np.array([history.history[key] for key in sorted(history.history)])]
+    return model
+
 PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_by_tf_gradients, clipped_with_table, clipped_each,
                                     clipped_each_row, mixed_float16_clipped,
                                     clipped_two_optimizers, ratio_metrics, custom_metric_classes, vector_metric_results,
@@ -2079,7 +2114,7 @@ PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_by_tf_gradients, 
                                     added_metrics, tracked_train_step, multi_output, transformer_lm, per_row_map,
                                     paired_rows, callback_writes,
                                     steps_per_execution_partial, second_fit_other_batch, restore_best_weights,
-                                    wide_deep_premade, tied_embeddings, dlrm,
+                                    wide_deep_premade, tied_embeddings, dlrm, recomputed_block,
                                     built_by_first_step, train_on_batch_loop)}  # last two: they seed Keras' RNG
 
 
