@@ -24,9 +24,9 @@ from kparallax._compat import tf as tf_compat
 class LossScales(typing.NamedTuple):
     """What ``scale_compiled_losses`` scales by in one traced step.
 
-    ``workers``: the worker count. ``rows_share``: this worker's rows over the mean rows per worker (a float32
+    ``workers``: the worker count. ``rows_share``: this worker's rows over the mean rows per worker (a float64
     scalar tensor), or None when every worker's batch has the same rows. ``over_workers``: a function giving the sum
-    of a float32 scalar over the workers (a collective), for the valid counts of masked losses. ``micro_batches``:
+    of a float scalar over the workers (a collective), for the valid counts of masked losses. ``micro_batches``:
     the micro-batches accumulated per update (``backward_passes_per_step``), whose gradients the step averages.
     ``globalized``: a function giving, for a loss function and its (y_true, y_pred), a replacement taking its
     statistics of the batch over every worker, or None where it needs none (``step/batch_statistics.py``); None:
@@ -100,7 +100,7 @@ class _ScaledLoss:
                     f"a loss averaged under a mask (mask_zero or ignore_class) in a step accumulating "
                     f"{scales.micro_batches} micro-batches. Train with backward_passes_per_step=1 (a larger batch "
                     "per worker), or sum the loss (reduction=\"sum\") and divide by a constant.")
-            valid = tf.cast(valid, tf.float32)
+            valid = tf.cast(valid, tf.float64)  # a float64 model's loss keeps its precision
             factor = _over_share(tf.cast(scales.workers * valid / scales.over_workers(valid), value.dtype), scales)
         if self._loss.reduction == tf.keras.losses.Reduction.NONE:
             return _scaled(value, 1.0, factor)
@@ -288,7 +288,7 @@ def _weigh_rowless_mean(metric, scales):
         current = scales()
         if current is None or current.workers == 1 or sample_weight is not None:
             return update(values, sample_weight=sample_weight)
-        return update(values, sample_weight=_share(current, tf.float32) / float(current.workers))
+        return update(values, sample_weight=_share(current, tf.as_dtype(metric.dtype)) / float(current.workers))
 
     metric.update_state = update_state
 

@@ -184,7 +184,8 @@ def step_skew_error(iterations):
 
 
 def sum_checked(values, iterations, num_workers, name):
-    """``values`` (a float vector) summed over the workers by one float32 allreduce that also checks the steps.
+    """``values`` (a float32 or float64 vector) summed over the workers by one allreduce of its dtype that also
+    checks the steps.
 
     The allreduce carries ``iterations`` (this worker's optimizer step) modulo 64 and its square, summed: they are
     equal on every worker exactly when ``N * sum(m^2) == sum(m)^2``. If not, a step was applied on some workers only
@@ -193,8 +194,10 @@ def sum_checked(values, iterations, num_workers, name):
     collectives go out of step. Works in a step's graph and eagerly (``fit_callbacks.AverageMetrics``); used by
     ``logs.over_workers``.
     """
-    step = tf.cast(tf.math.floormod(tf.cast(iterations, tf.int64), 64), tf.float32)
-    payload = tf.concat([tf.reshape(tf.cast(values, tf.float32), [-1]), tf.stack([step, step * step])], 0)
+    values = tf.convert_to_tensor(values)
+    dtype = values.dtype if values.dtype in (tf.float32, tf.float64) else tf.float32
+    step = tf.cast(tf.math.floormod(tf.cast(iterations, tf.int64), 64), dtype)
+    payload = tf.concat([tf.reshape(tf.cast(values, dtype), [-1]), tf.stack([step, step * step])], 0)
     summed = hvd.allreduce(payload, op=hvd.Sum, name=name)
     total, total_square = tf.cast(summed[-2], tf.float64), tf.cast(summed[-1], tf.float64)
     check = tf.debugging.Assert(

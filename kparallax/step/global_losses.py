@@ -57,14 +57,14 @@ def install(model):
 
 
 def batch_share(data, num_workers):
-    """``num_workers * rows / rows over all workers`` for this worker's batch ``data`` (a float32 scalar; a
-    collective)."""
-    rows = tf.cast(keras_losses.batch_rows(data), tf.float32)
+    """``num_workers * rows / rows over all workers`` for this worker's batch ``data`` (a float64 scalar, cast to
+    the dtype of what it weighs: a float64 model's gradients keep their precision; a collective)."""
+    rows = tf.cast(keras_losses.batch_rows(data), tf.float64)
     return num_workers * rows / collectives.sum_over_workers(rows, num_workers, name="kp_batch_rows")
 
 
 def gradient_share():
-    """This worker's share of the global batch in the step being traced (a float32 scalar tensor), by which its
+    """This worker's share of the global batch in the step being traced (a float64 scalar tensor), by which its
     gradients are multiplied before the exchange; None when the workers' batches have the same size."""
     scales = getattr(_ACTIVE, "scales", None)
     return None if scales is None else scales.rows_share

@@ -36,10 +36,10 @@ def is_additive(metric):
     return bool(variables) and all(getattr(v, "aggregation", None) in _AGGREGATIONS for v in variables)
 
 
-def _part(variable, value, num_workers, worker_index):
+def _part(variable, value, num_workers, worker_index, dtype):
     """This worker's term of ``variable``'s aggregation over the workers (``value``: its value here), as a flat
-    float32 tensor to be summed."""
-    value = tf.reshape(tf.cast(value, tf.float32), [-1])
+    ``dtype`` tensor to be summed."""
+    value = tf.reshape(tf.cast(value, dtype), [-1])
     if variable.aggregation == tf.VariableAggregation.MEAN:
         return value / float(num_workers)
     if variable.aggregation == tf.VariableAggregation.ONLY_FIRST_REPLICA:
@@ -55,6 +55,11 @@ def result_keys(metrics):
             result = metric.result()
             keys += list(result) if isinstance(result, dict) else [metric.name]
     return keys
+
+
+def _dtype(value):
+    """The dtype of a log: a tensor's, a NumPy value's, float64 for a Python float (eager logs)."""
+    return value.dtype if isinstance(value, (tf.Tensor, tf.Variable)) else tf.as_dtype(np.asarray(value).dtype)
 
 
 def _is_float_scalar(value):
@@ -82,12 +87,14 @@ def over_workers(logs, metrics, iterations, num_workers, name, weight=None, work
     # every state to the step. A dict result's keys are sent too, then replaced by the states' results.
     from_states = {m.name for m in exact}
     keys = [k for k, v in logs.items() if _is_float_scalar(v) and k not in from_states]
-    payload = [_part(v, value, num_workers, worker_index) for v, value in zip(variables, local)]
-    others = [tf.cast(logs[k], tf.float32) for k in keys]
+    # Summed in float32, or in float64 where a state or a log is (a float64 model's logs keep their precision).
+    dtype = tf.float64 if tf.float64 in {v.dtype for v in variables} | {_dtype(logs[k]) for k in keys} else tf.float32
+    payload = [_part(v, value, num_workers, worker_index, dtype) for v, value in zip(variables, local)]
+    others = [tf.cast(logs[k], dtype) for k in keys]
     if weight is not None:
-        others = [value * tf.cast(weight, tf.float32) for value in others]
+        others = [value * tf.cast(weight, dtype) for value in others]
     payload += [tf.reshape(value, [-1]) for value in others]
-    summed = collectives.sum_checked(tf.concat(payload, axis=0) if payload else tf.zeros([0], tf.float32),
+    summed = collectives.sum_checked(tf.concat(payload, axis=0) if payload else tf.zeros([0], dtype),
                                      iterations, num_workers, name)
     out = dict(logs)
     offset = 0
@@ -102,8 +109,7 @@ def over_workers(logs, metrics, iterations, num_workers, name, weight=None, work
     averaged = {key: summed[offset + i] / float(num_workers) for i, key in enumerate(keys)}
     # A metric's result of any shape (F1Score's per-class vector) is its aggregated states' result.
     for key, value in {**averaged, **{k: v for k, v in results.items() if k in logs}}.items():
-        out[key] = tf.identity(tf.cast(value, logs[key].dtype if isinstance(logs[key], (tf.Tensor, tf.Variable))
-                                       else tf.float32))
+        out[key] = tf.identity(tf.cast(value, _dtype(logs[key])))
     for variable, value in zip(variables, local):
         variable.assign(value)
     return out

@@ -91,5 +91,6 @@ def _weighed(metric, value, data, num_workers, share):
                 "that value sums or averages over the batch: %s. Its logged result is the mean of the workers' "
                 "values, which is one process's only for a mean over batches of one size.", metric.name, reason)
         return None
-    share = tf.ones([], tf.float32) if share is None else tf.cast(share, tf.float32)
+    dtype = value.dtype if value.dtype.is_floating else tf.float32  # a float64 model's weights keep their precision
+    share = tf.ones([], dtype) if share is None else tf.cast(share, dtype)
     return keras_losses.batch_scalar_update(value, sums, num_workers, share)

@@ -66,7 +66,7 @@ def combined(model, is_ps_variable, num_workers, share):
     if num_workers == 1 or (not members and keras_compat.weights_created(model)):
         yield
         return
-    weight = tf.constant(1.0 / num_workers) if share is None else share / num_workers
+    weight = tf.constant(1.0 / num_workers, tf.float64) if share is None else share / num_workers
     count = [0]
     others = set()  # variables found not to be members (an optimizer's slots, say): not looked for again
 

@@ -2091,6 +2091,34 @@ def recomputed_block(scope, batch):
     model.logged = [np.array([history.history[key] for key in sorted(history.history)])]
     return model
 
+
+def float64_model(scope, batch):
+    """A model in float64 (``tf.keras.backend.set_floatx("float64")``, restored after): per-step labels under a
+    ``mask_zero`` table (a loss averaged over each batch's valid steps), Adam, a dataset with a partial last batch
+    (16 + 6 rows on the workers in the last step); every epoch's logs kept. Compared at float64 precision."""
+    ids, rng = _ids(71)
+    labels = rng.integers(0, 3, size=(ROWS, LEN)).astype(np.int32)
+    data = tf.data.Dataset.from_tensor_slices((ids[:ROWS - 10], labels[:ROWS - 10])).batch(batch)
+    floatx = tf.keras.backend.floatx()
+    tf.keras.backend.set_floatx("float64")
+    try:
+        with scope():
+            inputs = tf.keras.Input((LEN,), dtype=tf.int32)
+            hidden = tf.keras.layers.Dense(4, activation="tanh")(tf.keras.layers.Embedding(VOCAB, EMB,
+                                                                                          mask_zero=True)(inputs))
+            model = tf.keras.Model(inputs, tf.keras.layers.Dense(3)(hidden))
+            _init(model)
+            model.compile(optimizer=tf.keras.optimizers.Adam(0.05),
+                          loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          metrics=["accuracy"])
+            history = model.fit(data, epochs=2, verbose=0)
+    finally:
+        tf.keras.backend.set_floatx(floatx)
+    assert all(w.dtype == np.float64 for w in model.get_weights())
+    model.logged = [np.array([history.history[key] for key in sorted(history.history)])]
+    return model
+
+
 PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_by_tf_gradients, clipped_with_table, clipped_each,
                                     clipped_each_row, mixed_float16_clipped,
                                     clipped_two_optimizers, ratio_metrics, custom_metric_classes, vector_metric_results,
@@ -2114,7 +2142,7 @@ PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_by_tf_gradients, 
                                     added_metrics, tracked_train_step, multi_output, transformer_lm, per_row_map,
                                     paired_rows, callback_writes,
                                     steps_per_execution_partial, second_fit_other_batch, restore_best_weights,
-                                    wide_deep_premade, tied_embeddings, dlrm, recomputed_block,
+                                    wide_deep_premade, tied_embeddings, dlrm, recomputed_block, float64_model,
                                     built_by_first_step, train_on_batch_loop)}  # last two: they seed Keras' RNG
 
 
