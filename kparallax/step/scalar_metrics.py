@@ -41,7 +41,7 @@ def weighing(model, data, num_workers, share=None):
     """While ``model``'s synchronous training step on ``data`` (this worker's batch) is traced with ``num_workers``
     workers: updates with one value and no sample weight of ``model``'s ``Mean`` and ``Sum`` metrics (also those
     ``add_metric`` makes in this trace) count as one process's. ``share``: this worker's share of the global batch
-    (a float32 scalar tensor), or None when every worker's batch has the same rows."""
+    (a float64 scalar tensor), or None when every worker's batch has the same rows."""
     if num_workers == 1:
         yield
         return
@@ -91,6 +91,6 @@ def _weighed(metric, value, data, num_workers, share):
                 "that value sums or averages over the batch: %s. Its logged result is the mean of the workers' "
                 "values, which is one process's only for a mean over batches of one size.", metric.name, reason)
         return None
-    dtype = value.dtype if value.dtype.is_floating else tf.float32  # a float64 model's weights keep their precision
+    dtype = tf.as_dtype(metric.dtype)  # the weight's, as Keras casts it (a float16 value's metric keeps float32)
     share = tf.ones([], dtype) if share is None else tf.cast(share, dtype)
     return keras_losses.batch_scalar_update(value, sums, num_workers, share)
