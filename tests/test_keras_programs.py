@@ -8,8 +8,9 @@ and means over the batch on a partial last batch),
 a train_on_batch loop from per-worker
 random initializations, steps_per_execution on a partial last batch, a second fit with another batch size and a
 class_weight, EarlyStopping restoring the best weights beside ModelCheckpoint(save_best_only), Keras'
-premade WideDeepModel, a language model with tied input and output tables, a DLRM-style click model) on 2 workers + 1 PS equal the same programs in one plain process on
-the global batch (issue 14); thirty of them again with every table in 3 stripes over 2 PS tasks; two of them
+premade WideDeepModel, a language model with tied input and output tables, a DLRM-style click model, tables looked up inside loops (an RNN cell's own lookup, tf.scan), gradient accumulation
+written in a custom train_step) on 2 workers + 1 PS equal the same programs in one plain process on
+the global batch (issue 14); thirty-one of them again with every table in 3 stripes over 2 PS tasks; two of them
 again under a partitions="auto" search, which re-splits the table during fit."""
 
 import os
@@ -22,21 +23,25 @@ from kparallax import testing
 from programs import keras_programs
 
 PROGRAMS = os.path.join(os.path.dirname(__file__), "programs")
-SHARDS = 3  # each part runs in its own job under its own timeout (all 58 programs in one took ~280 s of 300; 74 now)
+SHARDS = 3  # each part runs in its own job under its own timeout (all 58 programs in one took ~280 s of 300; 76 now)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("index", [*range(SHARDS), "striped"],
-                         ids=lambda i: i if i == "striped" else f"part{i + 1}of{SHARDS}")
+@pytest.mark.parametrize("index", [*range(SHARDS), "striped", "ps"],
+                         ids=lambda i: i if isinstance(i, str) else f"part{i + 1}of{SHARDS}")
 def test_keras_programs_match_one_plain_process(tmp_path, index):
-    """Each part of the programs, and ``keras_programs.STRIPED`` again with every table in 3 stripes over 2 PS tasks
-    (before, a lookup layer's vocabulary made worker 1's set_weights fail)."""
+    """Each part of the programs, ``keras_programs.STRIPED`` again with every table in 3 stripes over 2 PS tasks
+    (before, a lookup layer's vocabulary made worker 1's set_weights fail), and ``keras_programs.ON_PS`` again under
+    architecture="ps"."""
     striped = index == "striped"
     ref, got, run = testing.reference_and_job(os.path.join(PROGRAMS, "train_keras_programs.py"), tmp_path,
                                               timeout=300, ps=2 if striped else 1,
-                                              args=["striped" if striped else f"{index}/{SHARDS}"])
+                                              args=[index if isinstance(index, str) else f"{index}/{SHARDS}"])
     assert run.returncode == 0, run.report()
-    names = keras_programs.striped() if striped else keras_programs.shard(index, SHARDS)
+    if index == "ps":
+        assert "architecture: ps -> ps;" in run.logs()["worker-0.log"], run.report()
+    names = {"striped": keras_programs.striped, "ps": keras_programs.on_ps}.get(
+        index, lambda: keras_programs.shard(index, SHARDS))()
     if striped:  # the tables are in stripes, over both PS tasks
         placed = re.findall(r"placement: \S+ \[120, 6\] -> 3 shard\(s\) of rows \[40, 40, 40\] on ps\[(.*)\]",
                             run.logs()["worker-1.log"])

@@ -2119,6 +2119,100 @@ def float64_model(scope, batch):
     return model
 
 
+class _EmbeddingCell(tf.keras.layers.Layer):
+    """An RNN cell embedding its own input ids: a table's lookup inside Keras' loop over time steps."""
+
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.units, self.state_size = units, units
+        self.embedding = tf.keras.layers.Embedding(VOCAB, EMB)
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight("kernel", (EMB, self.units))
+        self.recurrent_kernel = self.add_weight("recurrent_kernel", (self.units, self.units))
+
+    def call(self, inputs, states):
+        ids = tf.cast(tf.reshape(inputs, [-1]), tf.int32)  # a float step input (an RNN's state takes its dtype)
+        h = tf.tanh(self.embedding(ids) @ self.kernel + states[0] @ self.recurrent_kernel)
+        return h, [h]
+
+
+class _ScannedLookup(tf.keras.layers.Layer):
+    """A table of the layer's own, looked up inside ``tf.scan``'s function: a decaying sum over the positions."""
+
+    def build(self, input_shape):
+        self.table = self.add_weight("table", (VOCAB, EMB))
+
+    def call(self, ids):
+        return tf.scan(lambda total, column: 0.5 * total + tf.nn.embedding_lookup(self.table, column),
+                       tf.transpose(ids), initializer=tf.zeros([tf.shape(ids)[0], EMB]))[-1]
+
+
+def lookups_in_loops(scope, batch):
+    """Tables looked up inside loops: an RNN cell embedding its own ids (Keras' RNN loop over the time steps) and
+    ``tf.scan`` over the positions with a lookup in its function, both into a Dense head; Adam, a dataset with a
+    partial last batch (16 + 6 rows on the workers in the last step)."""
+    ids, rng = _ids(75)
+    y = rng.normal(size=(ROWS - 10, 1)).astype(np.float32)
+    data = tf.data.Dataset.from_tensor_slices((ids[:ROWS - 10], y)).batch(batch)
+    with scope():
+        inputs = tf.keras.Input((LEN,), dtype=tf.int32)
+        recurrent = tf.keras.layers.RNN(_EmbeddingCell(4))(tf.cast(inputs[..., None], tf.float32))
+        joined = tf.keras.layers.Concatenate()([recurrent, _ScannedLookup()(inputs)])
+        model = tf.keras.Model(inputs, tf.keras.layers.Dense(1)(joined))
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.05), loss="mse", metrics=["mae"])
+        history = model.fit(data, epochs=2, verbose=0)
+    model.logged = [np.array([history.history[key] for key in sorted(history.history)])]
+    return model
+
+
+class _AccumulatedByHand(tf.keras.Model):
+    """Gradient accumulation written in a custom ``train_step``, as users write it: each step adds its gradients
+    into variables of their own (``aggregation=MEAN``: each step's sum over the workers' rows, as one process's on
+    the global batch), every second step applies their sum with the compiled optimizer inside a ``tf.cond`` and
+    zeroes them."""
+
+    def make_accumulators(self):
+        self.accumulators = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
+                                         aggregation=tf.VariableAggregation.MEAN) for v in self.trainable_variables]
+        self.micro_steps = tf.Variable(0, trainable=False)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compiled_loss(y, self(x, training=True))
+        for accumulator, grad in zip(self.accumulators, tape.gradient(loss, self.trainable_variables)):
+            accumulator.assign_add(tf.convert_to_tensor(grad) / 2.0)
+        self.micro_steps.assign_add(1)
+
+        def apply():
+            self.optimizer.apply_gradients(zip([a.read_value() for a in self.accumulators], self.trainable_variables))
+            for accumulator in self.accumulators:
+                accumulator.assign(tf.zeros_like(accumulator))
+            return tf.constant(True)
+
+        tf.cond(self.micro_steps % 2 == 0, apply, lambda: tf.constant(False))
+        return {"loss": loss}
+
+
+def accumulated_by_hand(scope, batch):
+    """_AccumulatedByHand (a table and two Dense layers, Adam) on arrays, 4 steps per epoch: 2 updates."""
+    ids, rng = _ids(74)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    with scope():
+        inputs = tf.keras.Input((LEN,), dtype=tf.int32)
+        pooled = tf.keras.layers.GlobalAveragePooling1D()(tf.keras.layers.Embedding(VOCAB, EMB)(inputs))
+        hidden = tf.keras.layers.Dense(4, activation="tanh")(pooled)
+        model = _AccumulatedByHand(inputs, tf.keras.layers.Dense(1)(hidden))
+        _init(model)
+        model.make_accumulators()
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.05), loss="mse")
+        history = model.fit(ids, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+    model.logged = [np.array(history.history["loss"])]
+    return model
+
+
 PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_by_tf_gradients, clipped_with_table, clipped_each,
                                     clipped_each_row, mixed_float16_clipped,
                                     clipped_two_optimizers, ratio_metrics, custom_metric_classes, vector_metric_results,
@@ -2143,6 +2237,7 @@ PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_by_tf_gradients, 
                                     paired_rows, callback_writes,
                                     steps_per_execution_partial, second_fit_other_batch, restore_best_weights,
                                     wide_deep_premade, tied_embeddings, dlrm, recomputed_block, float64_model,
+                                    lookups_in_loops, accumulated_by_hand,
                                     built_by_first_step, train_on_batch_loop)}  # last two: they seed Keras' RNG
 
 
@@ -2154,7 +2249,23 @@ STRIPED = ("clipped_with_table", "clipped_each_row", "sparse_and_ragged_inputs",
            "odd_batch_count_dataset", "masked_sequence_losses", "own_loss_partial_batch", "stateful_lstm",
            "two_optimizers", "fine_tuning", "own_embedding_layer", "transformer_lm", "steps_per_execution_partial",
            "restore_best_weights", "wide_deep_premade", "callback_writes", "tied_embeddings", "dlrm",
-           "built_by_first_step", "train_on_batch_loop")
+           "lookups_in_loops", "built_by_first_step", "train_on_batch_loop")
+
+
+# Run again under architecture="ps" (the dense variables on the PS too, read once per step, updated there): programs
+# whose step the ps path builds differently (custom train_steps transforming gradients or taking them by nested
+# tapes, recomputation, loops, running statistics, several outputs, steps_per_execution). Every program was run so
+# by hand on 2026-12-06: equal to one process but for the refusals the README lists (run_eagerly with PS variables,
+# a second optimizer updating PS variables).
+ON_PS = ("clipped_gradients", "clipped_each", "mixed_float16_clipped", "batch_normalization", "mask_zero_lstm_callbacks",
+         "custom_train_step", "own_loss_partial_batch", "gradient_penalty", "stateful_lstm", "fine_tuning",
+         "multi_output", "transformer_lm", "steps_per_execution_partial", "dlrm", "recomputed_block", "lookups_in_loops",
+         "accumulated_by_hand")
+
+
+def on_ps():
+    """The names of ``ON_PS`` in the order of ``PROGRAMS``."""
+    return [name for name in PROGRAMS if name in ON_PS]
 
 
 def striped():

@@ -1,7 +1,8 @@
 """Runs keras_programs in one plain process (MODE=reference, global batch) or under kparallax (MODE=kparallax,
 per-worker batch; under kparallax-run). Writes OUT_DIR/<program>.npz (weights, then any logged values) from worker
 0. SHARD ("i/n", default "0/1") runs part i of n of the programs (keras_programs.shard); "striped" runs
-keras_programs.STRIPED, under kparallax with every table in 3 stripes (partitions=3); "searched:NAME" runs program
+keras_programs.STRIPED, under kparallax with every table in 3 stripes (partitions=3); "ps" runs keras_programs.ON_PS
+under architecture="ps" (every trainable variable on the PS); "searched:NAME" runs program
 NAME, under kparallax with partitions="auto" (max_partitions=8, auto_steps=1: 2, 4 and 8 stripes over its first 6
 steps, then the one chosen), so the search re-partitions its tables during its fit; "only:NAME" runs program NAME
 alone, "striped:NAME" alone with its tables in 3 stripes (to check one while writing it).
@@ -26,6 +27,8 @@ def main(out_dir, mode, part="0/1"):
         options = {"partitions": 3} if part == "striped" or part.startswith("striped:") else {}
         if part.startswith("searched:"):
             options = {"partitions": "auto", "max_partitions": 8, "auto_steps": 1}
+        if part == "ps":
+            options = {"architecture": "ps"}
         strategy = kp.HybridStrategy(**options)
         scope, batch, chief = strategy.scope, PER_WORKER_BATCH, strategy.is_chief
         programs.RANK, programs.RUN_WORKERS = strategy.worker_index, strategy.num_workers
@@ -33,6 +36,8 @@ def main(out_dir, mode, part="0/1"):
     programs.SHARED_DIR = out_dir
     if part == "striped":
         names = programs.striped()
+    elif part == "ps":
+        names = programs.on_ps()
     elif part.startswith(("searched:", "only:", "striped:")):
         names = [part.split(":", 1)[1]]
     else:
