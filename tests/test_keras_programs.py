@@ -9,7 +9,7 @@ a train_on_batch loop from per-worker
 random initializations, steps_per_execution on a partial last batch, a second fit with another batch size and a
 class_weight, EarlyStopping restoring the best weights beside ModelCheckpoint(save_best_only), Keras'
 premade WideDeepModel, a language model with tied input and output tables, a DLRM-style click model, tables looked up inside loops (an RNN cell's own lookup, tf.scan), gradient accumulation
-written in a custom train_step) on 2 workers + 1 PS equal the same programs in one plain process on
+written in a custom train_step, Keras' knowledge distillation example) on 2 workers + 1 PS equal the same programs in one plain process on
 the global batch (issue 14); thirty-one of them again with every table in 3 stripes over 2 PS tasks; two of them
 again under a partitions="auto" search, which re-splits the table during fit."""
 
@@ -23,7 +23,7 @@ from kparallax import testing
 from programs import keras_programs
 
 PROGRAMS = os.path.join(os.path.dirname(__file__), "programs")
-SHARDS = 3  # each part runs in its own job under its own timeout (all 58 programs in one took ~280 s of 300; 76 now)
+SHARDS = 3  # each part runs in its own job under its own timeout (all 58 programs in one took ~280 s of 300; 77 now)
 
 
 @pytest.mark.multiprocess

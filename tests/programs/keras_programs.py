@@ -2213,6 +2213,69 @@ def accumulated_by_hand(scope, batch):
     return model
 
 
+class _Distiller(tf.keras.Model):
+    """Keras' knowledge distillation example: a student trained on the labels and on a trained teacher's softened
+    predictions (the teacher is read in the step, never updated)."""
+
+    def __init__(self, student, teacher):
+        super().__init__()
+        self.teacher, self.student = teacher, student
+
+    def compile(self, optimizer, metrics, student_loss_fn, distillation_loss_fn, alpha=0.1, temperature=3):
+        super().compile(optimizer=optimizer, metrics=metrics)
+        self.student_loss_fn, self.distillation_loss_fn = student_loss_fn, distillation_loss_fn
+        self.alpha, self.temperature = alpha, temperature
+
+    def train_step(self, data):
+        x, y = data
+        teacher_predictions = self.teacher(x, training=False)
+        with tf.GradientTape() as tape:
+            student_predictions = self.student(x, training=True)
+            student_loss = self.student_loss_fn(y, student_predictions)
+            distillation_loss = self.distillation_loss_fn(
+                tf.nn.softmax(teacher_predictions / self.temperature, axis=1),
+                tf.nn.softmax(student_predictions / self.temperature, axis=1)) * self.temperature ** 2
+            loss = self.alpha * student_loss + (1 - self.alpha) * distillation_loss
+        trainable_vars = self.student.trainable_variables
+        self.optimizer.apply_gradients(zip(tape.gradient(loss, trainable_vars), trainable_vars))
+        self.compiled_metrics.update_state(y, student_predictions)
+        results = {m.name: m.result() for m in self.metrics}
+        results.update({"student_loss": student_loss, "distillation_loss": distillation_loss})
+        return results
+
+    def call(self, x):
+        return self.student(x)
+
+
+def distillation(scope, batch):
+    """Keras' knowledge distillation example: a teacher (a table, two Dense layers) trained by its own fit, then
+    a smaller student trained by _Distiller on the labels and the teacher's predictions at temperature 10 (Adam),
+    every epoch's logs (the student's and distillation losses of the last batch, accuracy) kept."""
+    ids, rng = _ids(76)
+    y = rng.integers(0, 3, size=(ROWS,)).astype(np.int32)
+
+    def classifier(width):
+        inputs = tf.keras.Input((LEN,), dtype=tf.int32)
+        pooled = tf.keras.layers.GlobalAveragePooling1D()(tf.keras.layers.Embedding(VOCAB, width)(inputs))
+        return tf.keras.Model(inputs, tf.keras.layers.Dense(3)(tf.keras.layers.Dense(8, activation="relu")(pooled)))
+
+    with scope():
+        teacher = classifier(EMB)
+        _init(teacher, 5)
+        teacher.compile(optimizer=tf.keras.optimizers.Adam(0.02),
+                        loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        teacher.fit(ids, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+        student = classifier(3)
+        _init(student, 6)
+        distiller = _Distiller(student, teacher)
+        distiller.compile(optimizer=tf.keras.optimizers.Adam(0.02), metrics=["sparse_categorical_accuracy"],
+                          student_loss_fn=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          distillation_loss_fn=tf.keras.losses.KLDivergence(), alpha=0.1, temperature=10)
+        history = distiller.fit(ids, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+    student.logged = teacher.get_weights() + [np.array([history.history[k] for k in sorted(history.history)])]
+    return student
+
+
 PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_by_tf_gradients, clipped_with_table, clipped_each,
                                     clipped_each_row, mixed_float16_clipped,
                                     clipped_two_optimizers, ratio_metrics, custom_metric_classes, vector_metric_results,
@@ -2237,7 +2300,7 @@ PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_by_tf_gradients, 
                                     paired_rows, callback_writes,
                                     steps_per_execution_partial, second_fit_other_batch, restore_best_weights,
                                     wide_deep_premade, tied_embeddings, dlrm, recomputed_block, float64_model,
-                                    lookups_in_loops, accumulated_by_hand,
+                                    lookups_in_loops, accumulated_by_hand, distillation,
                                     built_by_first_step, train_on_batch_loop)}  # last two: they seed Keras' RNG
 
 
