@@ -8,10 +8,11 @@ and means over the batch on a partial last batch),
 a train_on_batch loop from per-worker
 random initializations, steps_per_execution on a partial last batch, a second fit with another batch size and a
 class_weight, EarlyStopping restoring the best weights beside ModelCheckpoint(save_best_only), Keras'
-premade WideDeepModel, a language model with tied input and output tables, a DLRM-style click model, tables looked up inside loops (an RNN cell's own lookup, tf.scan), gradient accumulation
-written in a custom train_step, Keras' knowledge distillation example) on 2 workers + 1 PS equal the same programs in one plain process on
-the global batch (issue 14); thirty-one of them again with every table in 3 stripes over 2 PS tasks; two of them
-again under a partitions="auto" search, which re-splits the table during fit."""
+premade WideDeepModel, a language model with tied input and output tables, a DLRM-style click model, tables looked
+up inside loops (an RNN cell's own lookup, tf.scan), gradient accumulation written in a custom train_step, Keras'
+knowledge distillation example) on 2 workers + 1 PS equal the same programs in one plain process on the global batch
+(issue 14); thirty-one of them again with every table in 3 stripes over 2 PS tasks; seventeen again under
+architecture="ps"; two of them again under a partitions="auto" search, which re-splits the table during fit."""
 
 import os
 import re

@@ -2320,10 +2320,10 @@ STRIPED = ("clipped_with_table", "clipped_each_row", "sparse_and_ragged_inputs",
 # tapes, recomputation, loops, running statistics, several outputs, steps_per_execution). Every program was run so
 # by hand on 2026-12-06: equal to one process but for the refusals the README lists (run_eagerly with PS variables,
 # a second optimizer updating PS variables).
-ON_PS = ("clipped_gradients", "clipped_each", "mixed_float16_clipped", "batch_normalization", "mask_zero_lstm_callbacks",
-         "custom_train_step", "own_loss_partial_batch", "gradient_penalty", "stateful_lstm", "fine_tuning",
-         "multi_output", "transformer_lm", "steps_per_execution_partial", "dlrm", "recomputed_block", "lookups_in_loops",
-         "accumulated_by_hand")
+ON_PS = ("clipped_gradients", "clipped_each", "mixed_float16_clipped", "batch_normalization",
+         "mask_zero_lstm_callbacks", "custom_train_step", "own_loss_partial_batch", "gradient_penalty", "stateful_lstm",
+         "fine_tuning", "multi_output", "transformer_lm", "steps_per_execution_partial", "dlrm", "recomputed_block",
+         "lookups_in_loops", "accumulated_by_hand")
 
 
 def on_ps():
