@@ -43,8 +43,10 @@ def test_keras_programs_match_one_plain_process(tmp_path, index):
     assert run.returncode == 0, run.report()
     if index == "ps":
         assert "architecture: ps -> ps;" in run.logs()["worker-0.log"], run.report()
-    names = {"striped": keras_programs.striped, "ps": keras_programs.on_ps}.get(
-        index, lambda: keras_programs.shard(index, SHARDS))()
+    if isinstance(index, str):
+        names = keras_programs.in_order({"striped": keras_programs.STRIPED, "ps": keras_programs.ON_PS}[index])
+    else:
+        names = keras_programs.shard(index, SHARDS)
     if striped:  # the tables are in stripes, over both PS tasks
         placed = re.findall(r"placement: \S+ \[120, 6\] -> 3 shard\(s\) of rows \[40, 40, 40\] on ps\[(.*)\]",
                             run.logs()["worker-1.log"])

@@ -2326,14 +2326,10 @@ ON_PS = ("clipped_gradients", "clipped_each", "mixed_float16_clipped", "batch_no
          "lookups_in_loops", "accumulated_by_hand")
 
 
-def on_ps():
-    """The names of ``ON_PS`` in the order of ``PROGRAMS``."""
-    return [name for name in PROGRAMS if name in ON_PS]
 
-
-def striped():
-    """The names of ``STRIPED`` in the order of ``PROGRAMS``."""
-    return [name for name in PROGRAMS if name in STRIPED]
+def in_order(names):
+    """``names`` (``STRIPED``, ``ON_PS``) in the order of ``PROGRAMS``."""
+    return [name for name in PROGRAMS if name in names]
 
 
 def shard(index, count):

@@ -35,9 +35,9 @@ def main(out_dir, mode, part="0/1"):
         programs.pair_weights_per_table(strategy.registry.table_of)
     programs.SHARED_DIR = out_dir
     if part == "striped":
-        names = programs.striped()
+        names = programs.in_order(programs.STRIPED)
     elif part == "ps":
-        names = programs.on_ps()
+        names = programs.in_order(programs.ON_PS)
     elif part.startswith(("searched:", "only:", "striped:")):
         names = [part.split(":", 1)[1]]
     else:
