@@ -554,6 +554,42 @@ def test_nonlinear_functions_of_a_statistic_are_meetings_and_sums_are_not():
             assert (got[0] if got else None) == expected, (rows, name, got)
 
 
+# Counts of each row's ids [B, 4] (a bincount per row), and whether a meeting is made on the way: Keras' encoding
+# layers size their bincount by the batch's largest id clamped to their depth (minlength == maxlength), one number.
+BINCOUNTS = {
+    "CategoryEncoding multi_hot": (lambda ids: tf.keras.layers.CategoryEncoding(7, output_mode="multi_hot")(ids), 0,
+                                   False),
+    "CategoryEncoding count": (lambda ids: tf.keras.layers.CategoryEncoding(7, output_mode="count")(ids), 0, False),
+    # (its hash of the ids is not followed)
+    "Hashing multi_hot": (lambda ids: tf.keras.layers.Hashing(9, output_mode="multi_hot")(ids), UNKNOWN, False),
+    "a bincount clamped by clip_by_value": (
+        lambda ids: tf.raw_ops.DenseBincount(input=ids, size=tf.clip_by_value(tf.reduce_max(ids) + 1, 7, 7),
+                                             weights=tf.constant([], tf.float32)), 0, False),
+    # sized by the batch's largest id, at least 7: a function of a statistic (each worker's own)
+    "a bincount of a least length": (lambda ids: tf.math.bincount(ids, minlength=7, axis=-1), UNKNOWN, True),
+    # centered over the batch: the counts are rows, and they meet
+    "counts centered over the batch": (
+        lambda ids: (lambda c: c - tf.reduce_mean(c, axis=0))(
+            tf.keras.layers.CategoryEncoding(7, output_mode="count")(ids)), 0, True),
+}
+
+
+def test_a_bincount_per_row_keeps_the_rows_and_a_size_clamped_to_one_number_meets_nothing():
+    for rows in (None, 4):
+        for name, (build, expected, meets) in BINCOUNTS.items():
+            graph = tf.Graph()
+            with graph.as_default():
+                ids = tf.compat.v1.placeholder(tf.int64, [rows, 4])
+                first = len(graph.get_operations())
+                output = build(ids)
+                axes = row_axes.RowAxes((ids,))
+                axes.follow(graph.get_operations()[first:])
+                fed = row_axes.feeding([output], graph.get_operations()[first:])
+            assert axes.axis(output) == expected, (rows, name, axes.axis(output))
+            met = [m for m in axes.meetings if m.op.name in fed]
+            assert bool(met) == meets, (rows, name, [(m.op.name, m.kind) for m in met])
+
+
 def test_a_weight_s_gradient_is_not_a_statistic_of_the_batch():
     # The backward pass sums each weight's gradient over the rows (x^T @ upstream); a product over the rows in the
     # forward pass is a statistic (a Gram matrix), in a tape's gradient it is left unknown: a clip of the gradients

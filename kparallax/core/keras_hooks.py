@@ -56,6 +56,7 @@ from kparallax.step import logs as logs_lib
 from kparallax.step import global_losses
 from kparallax.step import gradient_transforms
 from kparallax.step import metric_states
+from kparallax.step import padded_widths
 from kparallax.step import replica_context
 from kparallax.step import rows_meet
 from kparallax.step import scalar_metrics
@@ -146,6 +147,7 @@ def install(strategy):
         base.apply_gradients = _only_owned_optimizers_in_jobs(base.apply_gradients)
     batch_norm.install()
     rows_meet.install()
+    padded_widths.install()
 
 
 def _only_owned_optimizers_in_jobs(original):
@@ -460,6 +462,7 @@ def _synchronous_step(original, model, data):
           _worker_random_seed(strategy),
           train_step.model_step(strategy), replica_context.refused(strategy),
           rows_meet.refused(strategy.num_workers, strategy.options.backward_passes_per_step, data),
+          padded_widths.global_widths(strategy.num_workers, strategy.options.backward_passes_per_step),
           gradient_transforms.recording(),
           scalar_metrics.weighing(model, data, strategy.num_workers, share),
           state_variables.combined(model, strategy.is_ps_variable, strategy.num_workers, share),

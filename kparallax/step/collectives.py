@@ -213,15 +213,26 @@ class _LocalCounter:
     def __init__(self):
         self._variable = None
 
-    @tf.autograph.experimental.do_not_convert
-    def next(self):
+    def make(self):
+        """Creates the variable if it does not exist yet (before a layer's call that may gather: Keras refuses a
+        variable created inside a ``Lambda`` layer's call)."""
         if self._variable is None:
             with tf.init_scope():
                 self._variable = tf.Variable(0, dtype=tf.int64, trainable=False, name="kp_barriers_passed")
+
+    @tf.autograph.experimental.do_not_convert
+    def next(self):
+        self.make()
         return tf.convert_to_tensor(self._variable.assign_add(1))
 
 
 _LOCAL_COUNTER = _LocalCounter()
+
+
+def prepare_allgather():
+    """Makes what ``allgather`` creates at its first call, so that a first call inside a layer's call creates no
+    variable there."""
+    _LOCAL_COUNTER.make()
 _KEEP_ALIVE = hvd_compat.KeepAlive()
 
 

@@ -229,6 +229,8 @@ class RowAxes:
             axes = [self.axis(x) for x in op.inputs]
             if all(a is None for a in axes):
                 continue  # nothing of the batch: every output has no rows
+            if op.type in traced_values.CLAMPS and traced_values.clamped(op.outputs[0]) is not None:
+                continue  # a statistic clamped to one value (a bincount's size): no rows, no meeting
             joins = [self._joins.get(x.ref()) for x in op.inputs]
             try:
                 outputs = ([UNKNOWN] * len(op.outputs) if op.name in self._apart_ops else
@@ -412,6 +414,9 @@ class RowAxes:
         if kind in _BATCH_FIRST:
             rows = axes[0] == 0 and all(a is None for a in axes[1:])
             return [0 if rows else UNKNOWN] + [UNKNOWN] * (len(op.outputs) - 1)
+        if kind == "DenseBincount":  # (input, size, weights): of a matrix, each row's counts in a row
+            per_row = op.inputs[0].shape.rank == 2 and axes[0] == 0 and axes[1] is None and axes[2] in (None, 0)
+            return [0 if per_row else UNKNOWN]
         if kind == "Unique":  # (y, idx): the distinct values, a set with no rows; where each value of x is in y
             return [None, axes[0] if isinstance(axes[0], int) else UNKNOWN]
         if kind in ("SoftmaxCrossEntropyWithLogits", "SparseSoftmaxCrossEntropyWithLogits"):
@@ -899,7 +904,8 @@ def summed_or_averaged(op):
 
 def feeding(targets, ops, control=False):
     """The names of the graph ``ops`` that the ``targets`` (tensors or ops) are computed from (data edges, and
-    control edges too if ``control``), the targets' own too."""
+    control edges too if ``control``), the targets' own too. A value clamped to one number
+    (``traced_values.clamped``) is computed from nothing."""
     names, seen = {op.name for op in ops}, set()
     stack = [t if isinstance(t, tf.Operation) else t.op for t in targets]
     while stack:
@@ -907,7 +913,7 @@ def feeding(targets, ops, control=False):
         if op.name in seen or op.name not in names:
             continue
         seen.add(op.name)
-        stack.extend(x.op for x in op.inputs)
+        stack.extend(x.op for x in op.inputs if traced_values.clamped(x) is None)
         if control:
             stack.extend(op.control_inputs)
     return seen

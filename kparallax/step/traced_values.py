@@ -18,6 +18,41 @@ def constant(tensor, depth=8):
     return None if any(x is None for x in inputs) else np.asarray(_FOLDED[tensor.op.type](*inputs))
 
 
+# Ops that clamp their input between bounds: Keras' CategoryEncoding (and every lookup layer's multi_hot, count,
+# one_hot and tf_idf output) sizes its ``tf.math.bincount`` by ``minimum(maxlength, maximum(minlength, max(x) + 1))``
+# with ``minlength == maxlength``: a constant, though computed from the batch's largest id.
+CLAMPS = ("Maximum", "Minimum", "ClipByValue")
+
+
+def bounds(tensor, depth=8):
+    """``(low, high)``: numbers every entry of ``tensor`` lies between, known while tracing through constants and
+    ``CLAMPS`` (``(-inf, inf)`` where nothing is known)."""
+    value = tf.get_static_value(tensor)
+    if value is not None:
+        value = np.asarray(value)
+        if value.size and value.dtype.kind in "iuf":
+            return float(np.min(value)), float(np.max(value))
+    if depth == 0 or tensor.op.type not in CLAMPS:
+        return -np.inf, np.inf
+    inputs = [bounds(x, depth - 1) for x in tensor.op.inputs]
+    if tensor.op.type == "ClipByValue":  # (x, low, high): min(max(x, low), high)
+        (x_low, x_high), (low, _), (_, high) = inputs
+        return min(max(x_low, low), high), min(max(x_high, low), high)
+    pick = max if tensor.op.type == "Maximum" else min
+    return pick(inputs[0][0], inputs[1][0]), pick(inputs[0][1], inputs[1][1])
+
+
+def clamped(tensor):
+    """The value of ``tensor``, made by an op of ``CLAMPS`` whose bounds leave it one number (a scalar, or of a
+    shape known while tracing), or None."""
+    if tensor.op.type not in CLAMPS or not tensor.shape.is_fully_defined():
+        return None
+    low, high = bounds(tensor)
+    if low != high or not np.isfinite(low):
+        return None
+    return np.full(tensor.shape.as_list(), low, dtype=tensor.dtype.as_numpy_dtype)
+
+
 def strided_axis(op, axis, rank, entries):
     """Where input axis ``axis`` of ``StridedSlice`` ``op`` (of an input of rank ``rank``, its spec of ``entries``
     entries) goes: ``(entry, out)``, the spec's entry slicing it and its axis in the output (None where that entry

@@ -320,6 +320,132 @@ def lookup_layers(scope, batch):
     return model
 
 
+def encoded_features(scope, batch):
+    """Keras' preprocessing layers encoding inside the model: a bag of words and bigrams (TextVectorization,
+    tf_idf), StringLookup one_hot, IntegerLookup count, Hashing multi_hot, CategoryEncoding multi_hot (each a
+    bincount per row, sized by the batch's largest id clamped to the layer's depth), a HashedCrossing into a table."""
+    words = np.array(["red", "green", "blue", "cat", "dog", "runs", "sits", "the", "a", "far"])
+    rng = np.random.default_rng(75)
+    texts = np.array([" ".join(rng.choice(words, size=rng.integers(2, 6))) for _ in range(ROWS)])
+    colors = rng.choice(np.array(["red", "green", "blue", "cyan"]), size=(ROWS, 1))
+    codes = rng.choice(np.array([3, 7, 11, 19, 23]), size=(ROWS, 3)).astype(np.int64)
+    first, second = (rng.integers(0, n, size=(ROWS, 1)).astype(np.int64) for n in (7, 5))
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    with scope():
+        vectorize = tf.keras.layers.TextVectorization(max_tokens=24, ngrams=2, output_mode="tf_idf")
+        string_lookup = tf.keras.layers.StringLookup(output_mode="one_hot")
+        integer_lookup = tf.keras.layers.IntegerLookup(output_mode="count")
+        vectorize.adapt(texts)
+        string_lookup.adapt(colors)
+        integer_lookup.adapt(codes)
+        text, color = tf.keras.Input((), dtype=tf.string), tf.keras.Input((1,), dtype=tf.string)
+        code, one, two = (tf.keras.Input((k,), dtype=tf.int64) for k in (3, 1, 1))
+        crossed = tf.keras.layers.HashedCrossing(num_bins=30)((one, two))
+        parts = [vectorize(text), string_lookup(color), integer_lookup(code),
+                 tf.keras.layers.Hashing(9, output_mode="multi_hot")(code),
+                 tf.keras.layers.CategoryEncoding(7, output_mode="multi_hot")(one),
+                 tf.keras.layers.Flatten()(tf.keras.layers.Embedding(30, 4)(crossed))]
+        h = tf.keras.layers.Dense(6, activation="relu")(tf.keras.layers.Concatenate()(parts))
+        model = tf.keras.Model([text, color, code, one, two], tf.keras.layers.Dense(1)(h))
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.01), loss="huber", metrics=["mae"])
+        history = model.fit([texts, colors, codes, first, second], y, batch_size=batch, epochs=3, shuffle=False,
+                            verbose=0)
+    model.logged = [np.array(history.history["loss"]), np.array(history.history["mae"])]
+    return model
+
+
+def padded_in_the_model(scope, batch):
+    """Ragged inputs padded inside the model to each batch's longest row, read without a mask: TextVectorization
+    (int, no output_sequence_length) into a table averaged over the padded steps, and a ragged id input made dense by
+    ``to_tensor()`` into a table, a Conv1D and a max over the steps; long rows are rare (a worker's part of a batch
+    is often padded shorter than the global batch), then evaluate."""
+    words = np.array(["red", "green", "blue", "cat", "dog", "runs", "sits", "the", "a", "far"])
+    rng = np.random.default_rng(76)
+    lengths = rng.choice([1, 2, 3, 9], p=[0.3, 0.3, 0.33, 0.07], size=ROWS)
+    texts = np.array([" ".join(rng.choice(words, size=n)) for n in lengths])
+    ids = tf.ragged.constant([rng.integers(1, VOCAB, size=n).tolist() for n in lengths[::-1]], dtype=tf.int64)
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    with scope():
+        vectorize = tf.keras.layers.TextVectorization(max_tokens=16)
+        vectorize.adapt(texts)
+        text, ragged = tf.keras.Input((), dtype=tf.string), tf.keras.Input((None,), dtype=tf.int64, ragged=True)
+        averaged = tf.keras.layers.GlobalAveragePooling1D()(tf.keras.layers.Embedding(16, EMB)(vectorize(text)))
+        padded = tf.keras.layers.Lambda(lambda r: r.to_tensor())(ragged)
+        h = tf.keras.layers.Conv1D(4, 2, padding="same", activation="relu")(tf.keras.layers.Embedding(VOCAB, 3)(padded))
+        pooled = tf.keras.layers.GlobalMaxPooling1D()(h)
+        joined = tf.keras.layers.Concatenate()([averaged, pooled])
+        model = tf.keras.Model([text, ragged], tf.keras.layers.Dense(1)(joined))
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="mse")
+        history = model.fit([texts, ids], y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+        evaluated = model.evaluate([texts, ids], y, batch_size=32, verbose=0)  # the same batches in both
+    model.logged = [np.array(history.history["loss"]), np.array([evaluated])]
+    return model
+
+
+def feature_columns(scope, batch):
+    """A DenseFeatures layer of feature columns: embedding columns (mean and sqrtn combiners; int ids with missing
+    entries, -1), an indicator column and a numeric one; Adagrad, AUC."""
+    ids, rng = _ids(71)
+    other = rng.integers(0, 40, size=(ROWS, 3)).astype(np.int64)
+    other[rng.random((ROWS, 3)) < 0.3] = -1
+    numbers = rng.normal(size=(ROWS, 2)).astype(np.float32)
+    y = (rng.random((ROWS, 1)) < 0.4).astype(np.float32)
+    fc = tf.feature_column
+    columns = [fc.embedding_column(fc.categorical_column_with_identity("a", VOCAB), EMB, combiner="mean"),
+               fc.embedding_column(fc.categorical_column_with_identity("b", 40), 3, combiner="sqrtn"),
+               fc.indicator_column(fc.categorical_column_with_identity("c", 40)), fc.numeric_column("n", shape=(2,))]
+    x = {"a": ids.astype(np.int64), "b": other, "c": other, "n": numbers}
+    with scope():
+        inputs = {name: tf.keras.Input(value.shape[1:], dtype=value.dtype, name=name) for name, value in x.items()}
+        h = tf.keras.layers.Dense(8, activation="relu")(tf.keras.layers.DenseFeatures(columns)(inputs))
+        model = tf.keras.Model(inputs, tf.keras.layers.Dense(1, activation="sigmoid")(h))
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.Adagrad(0.1), loss="binary_crossentropy",
+                      metrics=[tf.keras.metrics.AUC()])
+        logged = _Logged()
+        model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0, callbacks=[logged])
+    model.logged = [np.array(logged.epochs)]
+    return model
+
+
+class WeightedBag(tf.keras.layers.Layer):
+    """A user's layer: each row's weighted bag of ids (a SparseTensor of ids and one of their weights) by
+    ``tf.nn.embedding_lookup_sparse`` from its own table."""
+
+    def __init__(self, vocab, dim, combiner, **kwargs):
+        super().__init__(**kwargs)
+        self.vocab, self.dim, self.combiner = vocab, dim, combiner
+
+    def build(self, input_shape):
+        self.table = self.add_weight("table", (self.vocab, self.dim), initializer="uniform")
+
+    def call(self, inputs):
+        ids, weights = inputs
+        return tf.nn.embedding_lookup_sparse(self.table, ids, weights, combiner=self.combiner)
+
+
+def weighted_bags(scope, batch):
+    """Two WeightedBag layers (sqrtn and sum) on SparseTensor ids and weights, fed to fit as tensors."""
+    ids, rng = _ids(72)
+    lengths = rng.integers(1, LEN + 1, size=ROWS)
+    where = np.array([[r, c] for r in range(ROWS) for c in range(lengths[r])], np.int64)
+    sparse_ids = tf.SparseTensor(where, np.array([ids[r, c] for r, c in where], np.int64), (ROWS, LEN))
+    sparse_weights = tf.SparseTensor(where, rng.random(len(where)).astype(np.float32) + 0.5, (ROWS, LEN))
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    with scope():
+        ids_in, weights_in = tf.keras.Input((LEN,), sparse=True, dtype=tf.int64), tf.keras.Input((LEN,), sparse=True)
+        bags = [WeightedBag(VOCAB, EMB, "sqrtn")([ids_in, weights_in]),
+                WeightedBag(VOCAB, 3, "sum")([ids_in, weights_in])]
+        model = tf.keras.Model([ids_in, weights_in], tf.keras.layers.Dense(1)(tf.keras.layers.Concatenate()(bags)))
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="mse")
+        history = model.fit([sparse_ids, sparse_weights], y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+    model.logged = [np.array(history.history["loss"])]
+    return model
+
+
 def shared_layer(scope, batch):
     """Two models in one scope sharing an Embedding layer, trained one after the other."""
     ids, rng = _ids(8)
@@ -460,6 +586,32 @@ class _Logged(tf.keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self.epochs.append(np.concatenate([np.ravel(logs[k]) for k in sorted(logs)]))
+
+
+def bidirectional_tagger(scope, batch):
+    """Sequence tagging: a mask_zero table, a Bidirectional LSTM, a Dense per token (TimeDistributed), temporal
+    sample weights, weighted sparse categorical accuracy; every batch's logs."""
+    ids, rng = _ids(73)
+    lengths = rng.integers(2, LEN + 1, size=ROWS)
+    ids = ids + 1
+    for r in range(ROWS):
+        ids[r, lengths[r]:] = 0
+    tags = rng.integers(0, 4, size=(ROWS, LEN))
+    weights = (ids > 0).astype(np.float32) * (1 + rng.random((ROWS, LEN)).astype(np.float32))
+    with scope():
+        inputs = tf.keras.Input((LEN,), dtype=tf.int32)
+        h = tf.keras.layers.Embedding(VOCAB + 1, EMB, mask_zero=True)(inputs)
+        h = tf.keras.layers.Bidirectional(tf.keras.layers.LSTM(5, return_sequences=True))(h)
+        tags_out = tf.keras.layers.TimeDistributed(tf.keras.layers.Dense(4, activation="softmax"))(h)
+        model = tf.keras.Model(inputs, tags_out)
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.RMSprop(0.01), loss="sparse_categorical_crossentropy",
+                      weighted_metrics=["sparse_categorical_accuracy"])
+        logged = _Logged()
+        model.fit(ids, tags, sample_weight=weights, batch_size=batch, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[logged])
+    model.logged = [np.array(logged.batches), np.array(logged.epochs)]
+    return model
 
 
 def _binary_data(seed):
@@ -2300,7 +2452,9 @@ PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_by_tf_gradients, 
                                     paired_rows, callback_writes,
                                     steps_per_execution_partial, second_fit_other_batch, restore_best_weights,
                                     wide_deep_premade, tied_embeddings, dlrm, recomputed_block, float64_model,
-                                    lookups_in_loops, accumulated_by_hand, distillation,
+                                    lookups_in_loops, accumulated_by_hand, distillation, encoded_features,
+                                    padded_in_the_model,
+                                    feature_columns, weighted_bags, bidirectional_tagger,
                                     built_by_first_step, train_on_batch_loop)}  # last two: they seed Keras' RNG
 
 
