@@ -227,13 +227,13 @@ class _LocalCounter:
 
 
 _LOCAL_COUNTER = _LocalCounter()
+_KEEP_ALIVE = hvd_compat.KeepAlive()
 
 
 def prepare_allgather():
     """Makes what ``allgather`` creates at its first call, so that a first call inside a layer's call creates no
     variable there."""
     _LOCAL_COUNTER.make()
-_KEEP_ALIVE = hvd_compat.KeepAlive()
 
 
 def keep_alive(tensors):

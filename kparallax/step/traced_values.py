@@ -36,8 +36,8 @@ def bounds(tensor, depth=8):
         return -np.inf, np.inf
     inputs = [bounds(x, depth - 1) for x in tensor.op.inputs]
     if tensor.op.type == "ClipByValue":  # (x, low, high): min(max(x, low), high)
-        (x_low, x_high), (low, _), (_, high) = inputs
-        return min(max(x_low, low), high), min(max(x_high, low), high)
+        (x_low, x_high), (low_low, low_high), (high_low, high_high) = inputs
+        return min(max(x_low, low_low), high_low), min(max(x_high, low_high), high_high)
     pick = max if tensor.op.type == "Maximum" else min
     return pick(inputs[0][0], inputs[1][0]), pick(inputs[0][1], inputs[1][1])
 
