@@ -103,6 +103,25 @@ def test_data_left_out_to_give_every_worker_the_same_steps_is_named_by_worker_0(
     assert "(their rows are not split over the workers: they hold 1 row(s), fewer than the 4 workers)" in message
 
 
+def test_batches_shaped_by_their_own_rows_are_named_by_worker_0():
+    # Texts vectorized after batch: each batch padded to its longest text. One process pads its global batch, each
+    # worker its own part: worker 0 warns at fit (a padded_batch last, or a fixed width, trains as one process).
+    texts = tf.data.Dataset.from_tensor_slices(["a b", "a", "b a b", "a"])
+    vectorize = tf.keras.layers.TextVectorization()
+    vectorize.adapt(texts)
+    mapped = texts.batch(2).map(lambda t: (vectorize(t), tf.zeros([tf.shape(t)[0]])))
+    [message] = _warnings_of(lambda: data.shard_dataset(mapped, 2, 0))
+    assert message.startswith("The training dataset's batches have sizes after the rows that vary (component 0 "
+                              "(None, None)) and do not come from a padded_batch last")
+    assert "pad inside the model" in message
+    assert _warnings_of(lambda: data.shard_dataset(mapped, 2, 1)) == []  # worker 0 says it, once
+    fixed = tf.keras.layers.TextVectorization(output_sequence_length=3)
+    fixed.adapt(texts)
+    assert _warnings_of(lambda: data.shard_dataset(texts.batch(2).map(fixed), 2, 0)) == []
+    padded = tf.data.Dataset.from_tensor_slices([[1, 2, 0], [1, 0, 0]]).map(lambda r: r[:tf.reduce_sum(r)])
+    assert _warnings_of(lambda: data.shard_dataset(padded.padded_batch(2), 2, 0)) == []
+
+
 def test_the_last_batches_of_an_odd_count_are_split_by_rows_as_one_process_batches_them():
     # 27 rows (ids, a sparse feature, y, weights) batched by 4: 7 batches, the last of 3 rows. One process with the
     # global batch of N * 4 rows trains on the same rows in each step: its last step's rows are those of the last

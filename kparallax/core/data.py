@@ -133,6 +133,8 @@ def shard_dataset(dataset, num_workers, index, steps_per_epoch=None):
             "Pass steps_per_epoch=..., or declare the length with "
             "dataset.apply(tf.data.experimental.assert_cardinality(n)). Received: cardinality=UNKNOWN.")
     padding = dataset_split.padding_values(dataset)
+    if index == 0 and padding is None:
+        _warn_shaped_per_batch(dataset)
     if cardinality >= 0:
         blocker = None
         if cardinality % num_workers:
@@ -249,6 +251,25 @@ def _warn_batches_left_out(kind, usable, batches, num_workers, why):
                     "Give a batch count that is a multiple of %d (another batch size), or repeat the data and give "
                     "steps_per_epoch, to train on every row.",
                     usable, kind, batches, num_workers, batches - usable, why, num_workers)
+
+
+def _warn_shaped_per_batch(dataset):
+    """Warns (worker 0) when batches of ``dataset`` may be shaped by their own rows (dense components whose sizes
+    after the rows vary, not from a ``padded_batch`` last: a ``TextVectorization`` mapped after ``batch``, a
+    ``to_tensor()`` in a ``map``): one process shapes its global batch, each worker its own part of it."""
+    varying = [f"component {k} {spec.shape}" for k, spec in enumerate(tf.nest.flatten(dataset.element_spec))
+               if isinstance(spec, tf.TensorSpec) and spec.shape.rank and spec.shape.rank > 1
+               and not spec.shape[1:].is_fully_defined()]
+    if varying:
+        logging.warning(
+            "The training dataset's batches have sizes after the rows that vary (%s) and do not come from a "
+            "padded_batch last: if the pipeline pads each batch to its longest row (a TextVectorization or a "
+            "to_tensor() mapped after batch), each worker's batch is padded to its own longest row and one "
+            "process's global batch to the global longest. A model that masks the padding (mask_zero=True) trains as "
+            "one process; one that does not (a pooling over the steps, a convolution) trains apart from it. To train "
+            "exactly, fix the length (output_sequence_length=..., padded_shapes), pad with padded_batch as the "
+            "pipeline's last batching, or pad inside the model (a TextVectorization or to_tensor() in the model is "
+            "padded to the longest row over the workers).", ", ".join(varying))
 
 
 def shard_generator(generator, num_workers, index, steps_per_epoch):
