@@ -258,8 +258,7 @@ def _warn_shaped_per_batch(dataset):
     after the rows vary, not from a ``padded_batch`` last: a ``TextVectorization`` mapped after ``batch``, a
     ``to_tensor()`` in a ``map``): one process shapes its global batch, each worker its own part of it."""
     varying = [f"component {k} {spec.shape}" for k, spec in enumerate(tf.nest.flatten(dataset.element_spec))
-               if isinstance(spec, tf.TensorSpec) and spec.shape.rank and spec.shape.rank > 1
-               and not spec.shape[1:].is_fully_defined()]
+               if dataset_split.varying(spec)]
     if varying:
         logging.warning(
             "The training dataset's batches have sizes after the rows that vary (%s) and do not come from a "

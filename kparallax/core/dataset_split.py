@@ -21,6 +21,12 @@ import tensorflow as tf
 from kparallax._compat import tf as tf_compat
 
 
+def varying(spec):
+    """Whether batches of ``spec`` (one flattened component) are dense with sizes after the rows that may vary from
+    batch to batch (shaped by their own rows: padded to their longest element)."""
+    return isinstance(spec, tf.TensorSpec) and spec.shape.rank is not None and not spec.shape[1:].is_fully_defined()
+
+
 def padding_values(dataset):
     """The padding value of each component of ``dataset``'s batches (flattened, None where no padding is needed),
     when they come from a ``padded_batch`` and some are padded to each batch's longest element; else None."""
@@ -28,8 +34,7 @@ def padding_values(dataset):
     if values is None:
         return None
     specs = tf.nest.flatten(dataset.element_spec)
-    padded = [value if isinstance(spec, tf.TensorSpec) and not spec.shape[1:].is_fully_defined() else None
-              for spec, value in zip(specs, tf.nest.flatten(values))]
+    padded = [value if varying(spec) else None for spec, value in zip(specs, tf.nest.flatten(values))]
     return padded if any(value is not None for value in padded) else None
 
 
@@ -48,7 +53,7 @@ def last_rows_blocker(dataset, batches, num_workers, padding=None):
         if spec.shape[0] is not None:
             return (f"its batches have a fixed size ({spec.shape[0]}: drop_remainder=True), and a last batch of the "
                     f"split rows would not")
-        if isinstance(spec, tf.TensorSpec) and not spec.shape[1:].is_fully_defined() and pad is None:
+        if varying(spec) and pad is None:
             return (f"its batches' shapes vary ({spec.shape}), and kparallax cannot tell how to pad them (no "
                     f"padded_batch last), so they do not concatenate")
     found = tf_compat.batching(dataset)

@@ -54,7 +54,7 @@ def global_widths(num_workers, micro_batches, chief):
     _ACTIVE.step = None
     if num_workers > 1:
         _ACTIVE.step = _Step(num_workers, micro_batches == 1, tf.compat.v1.get_default_graph(), chief)
-        if micro_batches == 1:
+        if _ACTIVE.step.over_workers:
             collectives.prepare_allgather()
     try:
         yield
