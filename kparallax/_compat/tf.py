@@ -650,6 +650,60 @@ def batching(dataset):
     return size, (rows if rows >= 0 else None)
 
 
+# Datasets built again above a batch of ``scale`` times the rows by ``rebatched`` (a cache in memory only: a cache
+# file would hold, or find, other batches under the same name).
+_REBUILT = ("_MapDataset", "_ParallelMapDataset", "_PrefetchDataset", "_OptionsDataset", "CacheDataset")
+_ORDER_FLAGS = {"default": None, "true": True, "false": False}
+
+
+def rebatched(dataset, scale):
+    """``dataset`` built again with its ``batch`` (or ``padded_batch``) of ``scale`` times the rows and the same
+    ``map`` / ``prefetch`` / in-memory ``cache()`` / options above it, so that a ``map`` that shapes each batch by its
+    own rows shapes the larger batches as it would if they had been asked for; None where anything else is above the
+    batch, or the batch's size is not static, or its remainder is dropped. Re-applies each ``map``'s own Python
+    function (``StructuredFunctionWrapper._func``) with its parallelism; reads the private ``_input_dataset``,
+    ``_batch_size``, ``_drop_remainder``, ``_padded_shapes``, ``_padding_values``, ``_num_parallel_calls``,
+    ``_deterministic``, ``_map_func``, ``_buffer_size``, ``_filename`` and ``_options_attr`` of tf.data's classes
+    (TF 2.15)."""
+    # pylint: disable=protected-access
+    above, current = [], dataset
+    while type(current).__name__ in _REBUILT:
+        if type(current).__name__ == "CacheDataset" and tf.get_static_value(current._filename) != b"":
+            return None
+        above.append(current)
+        current = current._input_dataset
+    kind = type(current).__name__
+    if kind not in _BATCHING:
+        return None
+    size = _static_int(current._batch_size)
+    drop = tf.get_static_value(current._drop_remainder)
+    if size is None or size < 1 or drop is None or bool(drop):
+        return None
+    source = current._input_dataset
+    if kind == "_PaddedBatchDataset":
+        rebuilt = source.padded_batch(size * scale, padded_shapes=current._padded_shapes,
+                                      padding_values=current._padding_values)
+    elif kind == "_ParallelBatchDataset":
+        rebuilt = source.batch(size * scale, num_parallel_calls=_static_int(current._num_parallel_calls),
+                               deterministic=_ORDER_FLAGS[current._deterministic])
+    else:
+        rebuilt = source.batch(size * scale)
+    for part in reversed(above):
+        kind = type(part).__name__
+        if kind == "_MapDataset":
+            rebuilt = rebuilt.map(part._map_func._func)
+        elif kind == "_ParallelMapDataset":
+            rebuilt = rebuilt.map(part._map_func._func, num_parallel_calls=_static_int(part._num_parallel_calls),
+                                  deterministic=_ORDER_FLAGS[part._deterministic])
+        elif kind == "_PrefetchDataset":
+            rebuilt = rebuilt.prefetch(part._buffer_size)
+        elif kind == "CacheDataset":
+            rebuilt = rebuilt.cache()
+        else:
+            rebuilt = rebuilt.with_options(part._options_attr)
+    return rebuilt
+
+
 def padding_values(dataset):
     """The ``padding_values`` (a structure like the elements', of scalar tensors) of the ``padded_batch`` that makes
     ``dataset``'s elements, found under datasets that pass its elements on unchanged (``prefetch``, ``cache``,

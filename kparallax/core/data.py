@@ -124,7 +124,8 @@ def shard_dataset(dataset, num_workers, index, steps_per_epoch=None):
     When the batch count is not a multiple of the workers, the last global batch is made of the rows of the last
     ``batches % num_workers`` batches, split in order (as each global batch of arrays is), where
     ``dataset_split.last_rows_blocker`` finds nothing against it; otherwise those batches are left out, with a
-    warning from worker 0 saying why. Batches of a ``padded_batch`` are padded to the longest in their step."""
+    warning from worker 0 saying why. Batches of a ``padded_batch`` are padded to the longest in their step; batches
+    shaped by a ``map`` after the batch are built again with the global batch's rows and split (``_global_parts``)."""
     _check_shardable(dataset, num_workers)
     cardinality = int(dataset.cardinality())
     if cardinality == tf.data.UNKNOWN_CARDINALITY and steps_per_epoch is None:
@@ -133,8 +134,13 @@ def shard_dataset(dataset, num_workers, index, steps_per_epoch=None):
             "Pass steps_per_epoch=..., or declare the length with "
             "dataset.apply(tf.data.experimental.assert_cardinality(n)). Received: cardinality=UNKNOWN.")
     padding = dataset_split.padding_values(dataset)
-    if index == 0 and padding is None:
-        _warn_shaped_per_batch(dataset)
+    if num_workers > 1 and padding is None and any(
+            dataset_split.varying(spec) for spec in tf.nest.flatten(dataset.element_spec)):
+        global_batches = tf_compat.rebatched(dataset, num_workers)
+        if global_batches is not None:
+            return _global_parts(dataset, global_batches, num_workers, index)
+        if index == 0:
+            _warn_shaped_per_batch(dataset)
     if cardinality >= 0:
         blocker = None
         if cardinality % num_workers:
@@ -244,6 +250,30 @@ def _unsplit(blocker):
     return "" if blocker is None else f", and their rows cannot be split over the workers: {blocker}"
 
 
+def _global_parts(dataset, global_batches, num_workers, index):
+    """Worker ``index``'s parts of ``global_batches`` (``dataset`` built again with batches of ``num_workers`` times
+    the rows, its ``map`` after them): a last global batch of fewer rows than workers is left out, with worker 0's
+    warning."""
+    count = int(global_batches.cardinality())
+    found = tf_compat.batching(dataset)
+    if count > 0 and found is not None and found[1] is not None:
+        batch_size, rows = found
+        last = rows % (num_workers * batch_size)
+        if 0 < last < num_workers:
+            if count == 1:
+                raise ValueError(f"The dataset has {rows} rows, fewer than the {num_workers} workers. Use more data. "
+                                 f"Received: {rows} rows.")
+            if index == 0:
+                logging.warning(
+                    "fit trains on %d of the dataset's %d rows in each epoch: its batches are shaped by their own "
+                    "rows (a map after the batch), so fit builds them with the global batch of %d rows and splits "
+                    "those; the last %d row(s) make a global batch of fewer rows than the %d workers and are left "
+                    "out. Give a row count without such a remainder to train on every row.",
+                    rows - last, rows, num_workers * batch_size, last, num_workers)
+            global_batches = global_batches.take(count - 1)
+    return dataset_split.global_parts(global_batches, num_workers, index)
+
+
 def _warn_batches_left_out(kind, usable, batches, num_workers, why):
     logging.warning("fit trains on %d of the %s's %d batches in each epoch: every worker runs the same number of "
                     "steps, so the batch count is cut to a multiple of the %d workers, and the last %d batch(es), "
@@ -256,16 +286,19 @@ def _warn_batches_left_out(kind, usable, batches, num_workers, why):
 def _warn_shaped_per_batch(dataset):
     """Warns (worker 0) when batches of ``dataset`` may be shaped by their own rows (dense components whose sizes
     after the rows vary, not from a ``padded_batch`` last: a ``TextVectorization`` mapped after ``batch``, a
-    ``to_tensor()`` in a ``map``): one process shapes its global batch, each worker its own part of it."""
+    ``to_tensor()`` in a ``map``) and ``tf_compat.rebatched`` cannot build them with the global batch: one process
+    shapes its global batch, each worker its own part of it."""
     varying = [f"component {k} {spec.shape}" for k, spec in enumerate(tf.nest.flatten(dataset.element_spec))
                if dataset_split.varying(spec)]
     if varying:
         logging.warning(
             "The training dataset's batches have sizes after the rows that vary (%s) and do not come from a "
-            "padded_batch last: if the pipeline pads each batch to its longest row (a TextVectorization or a "
-            "to_tensor() mapped after batch), each worker's batch is padded to its own longest row and one "
-            "process's global batch to the global longest. A model that masks the padding (mask_zero=True) trains as "
-            "one process; one that does not (a pooling over the steps, a convolution) trains apart from it. To train "
+            "padded_batch last, nor from a batch fit can build again with the global batch's rows (one under only "
+            "map, prefetch, an in-memory cache and options, without drop_remainder): if the pipeline pads each "
+            "batch to its longest row (a TextVectorization or a to_tensor() mapped after batch), each worker's batch "
+            "is padded to its own longest row and one process's global batch to the global longest. A model that "
+            "masks the padding (mask_zero=True) trains as one process; one that does not (a pooling over the steps, "
+            "a convolution) trains apart from it. To train "
             "exactly, fix the length (output_sequence_length=..., padded_shapes), pad with padded_batch as the "
             "pipeline's last batching, or pad inside the model (a TextVectorization or to_tensor() in the model is "
             "padded to the longest row over the workers).", ", ".join(varying))

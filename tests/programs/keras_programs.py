@@ -1159,6 +1159,34 @@ def padded_sequences(scope, batch):
     return model
 
 
+def vectorized_after_batch(scope, batch):
+    """Texts vectorized by a map after batch (TextVectorization without output_sequence_length: each batch padded to
+    its longest text) over 105 rows (an odd batch count), cached and prefetched, with a parallel map of the labels
+    before the batch. No mask: an Embedding averaged over the padded steps and a Conv1D see the padding, so each
+    worker's batch must be padded as one process pads its global batch. Adam; every epoch's loss is kept."""
+    words = np.array(["red", "green", "blue", "cat", "dog", "runs", "sits", "the", "a", "far"])
+    rng = np.random.default_rng(88)
+    lengths = rng.choice([1, 2, 3, 9], p=[0.3, 0.3, 0.33, 0.07], size=105)
+    texts = np.array([" ".join(rng.choice(words, size=n)) for n in lengths])
+    y = rng.normal(size=(105, 1)).astype(np.float32)
+    with scope():
+        vectorize = tf.keras.layers.TextVectorization(max_tokens=16)
+        vectorize.adapt(texts)
+        data = (tf.data.Dataset.from_tensor_slices((texts, y)).map(lambda t, v: (t, 2 * v), num_parallel_calls=2)
+                .batch(batch).map(lambda t, v: (vectorize(t), v)).cache().prefetch(tf.data.AUTOTUNE))
+        ids = tf.keras.Input((None,), dtype=tf.int64)
+        e = tf.keras.layers.Embedding(16, EMB)(ids)
+        h = tf.keras.layers.Conv1D(4, 2, padding="same", activation="relu")(e)
+        joined = tf.keras.layers.Concatenate()([tf.keras.layers.GlobalAveragePooling1D()(e),
+                                                tf.keras.layers.GlobalAveragePooling1D()(h)])
+        model = tf.keras.Model(ids, tf.keras.layers.Dense(1)(joined))
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="mse")
+        history = model.fit(data, epochs=2, verbose=0)
+    model.logged = [np.array(history.history["loss"])]
+    return model
+
+
 class OwnLossStep(tf.keras.Model):
     """A subclassed model whose own train_step computes its loss (no compiled loss): a mean squared error plus the
     model's losses (an activity regularizer's), through BatchNormalization on images (Keras' fused kernel) and on a
@@ -2440,7 +2468,7 @@ PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_by_tf_gradients, 
                                     custom_train_step, text_vectorization, lookup_layers, shared_layer, keras_callbacks,
                                     tf_data_known_cardinality, backup_and_restore_resume, partial_last_batch,
                                     self_sharded_dataset, partial_last_batch_arrays, odd_batch_count_dataset,
-                                    padded_sequences,
+                                    padded_sequences, vectorized_after_batch,
                                     masked_sequence_losses, own_loss_partial_batch, gradient_penalty,
                                     tf_distribute_average_loss,
                                     compiled_average_loss, weighted_metrics_sample_weights,
