@@ -412,9 +412,15 @@ def test_a_sequence_is_sharded_by_whole_batches_and_keeps_its_epoch_end():
     assert [(x.tolist(), y.tolist()) for x, y in last] == [([12, 13], [-12, -13]), ([14, 15], [-14, -15]),
                                                            ([16], [-16])]
     # Arrays whose shapes differ beyond the rows (padded to each batch's longest) are not joined: left out, said.
-    [message] = _warnings_of(lambda: data.shard_sequence(_Padded(), 3, 0))
-    assert "their arrays' shapes differ beyond the row count ([(2, 6), (1, 7)])" in message
+    # And worker 0 says that each worker's batch is padded to its own longest row, where one process pads its global
+    # batch (the first step's batches differ: (2, 3), (2, 4), (2, 5)).
+    shaped, left_out = _warnings_of(lambda: data.shard_sequence(_Padded(), 3, 0))
+    assert shaped.startswith("The Sequence's first 3 batches hold arrays whose shapes differ beyond the rows ((2, 3), "
+                             "(2, 4), (2, 5)): if it pads each batch to its own longest row")
+    assert "their arrays' shapes differ beyond the row count ([(2, 6), (1, 7)])" in left_out
+    assert _warnings_of(lambda: data.shard_sequence(_Padded(), 3, 1)) == []  # worker 0 says it, once
     assert len(data.shard_sequence(_Padded(), 3, 1)) == 1
+    assert _warnings_of(lambda: data.shard_sequence(_Rows(np.arange(23), 3), 2, 0)) == []  # rows only differ
 
 
 def test_a_generator_is_sharded_by_batches_and_needs_steps():

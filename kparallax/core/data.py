@@ -232,6 +232,8 @@ def shard_sequence(sequence, num_workers, index):
     batch count is not a multiple of N, its part (in order) of the rows of the last ``len % N`` batches (loaded
     once here, to see that they can be split; otherwise they are left out, with a warning from worker 0)."""
     batches = len(sequence)
+    if num_workers > 1:
+        _warn_sequence_shaped_per_batch(sequence, num_workers, index)
     blocker = None
     if batches % num_workers:
         blocker = _sequence_rows_blocker(_last_batches(sequence, num_workers), num_workers)
@@ -244,6 +246,29 @@ def shard_sequence(sequence, num_workers, index):
     if index == 0 and blocker is not None:
         _warn_batches_left_out("Sequence", batches - batches % num_workers, batches, num_workers, blocker)
     return _SequenceShard(sequence, num_workers, index, split_last=False)
+
+
+def _warn_sequence_shaped_per_batch(sequence, num_workers, index):
+    """Worker 0 warns when the first ``num_workers`` batches of ``sequence`` (one step's, loaded once by every worker,
+    alike) hold arrays whose shapes differ beyond the rows: a Sequence padding each batch to its own longest row pads
+    each worker's batch to its own, where one process pads its global batch to the longest of the step's batches."""
+    first = [sequence[k] for k in range(min(num_workers, len(sequence)))]
+    leaves = [tf.nest.flatten(batch) for batch in first]
+    if index != 0 or len({len(batch) for batch in leaves}) > 1:
+        return
+    for position in range(len(leaves[0])):
+        shapes = [tuple(getattr(batch[position], "shape", ())) for batch in leaves]
+        if all(len(shape) > 1 for shape in shapes) and len({shape[1:] for shape in shapes}) > 1:
+            logging.warning(
+                "The Sequence's first %d batches hold arrays whose shapes differ beyond the rows (%s): if it pads "
+                "each batch to its own longest row (pad_sequences without maxlen), each worker's batch is padded to "
+                "its own longest row, where one process pads its global batch to the longest of the step's batches. "
+                "A model that masks the padding (mask_zero=True) trains as one process; one that does not (a pooling "
+                "over the steps, a convolution) trains apart from it. To train exactly, fix the length "
+                "(pad_sequences(maxlen=...)), or give the rows as a tf.data pipeline padded by padded_batch, or pad "
+                "inside the model (a ragged input's to_tensor() is padded to the longest row over the workers).",
+                len(first), ", ".join(str(shape) for shape in shapes))
+            return
 
 
 def _unsplit(blocker):
