@@ -125,6 +125,7 @@ def test_batches_shaped_by_their_own_rows_are_built_with_the_global_batch_and_sp
         "map, cache, prefetch": (lambda b: texts.batch(b).map(vectorized).cache().prefetch(1), 11),
         "parallel map, options": (lambda b: texts.batch(b).map(vectorized, num_parallel_calls=2).with_options(
             tf.data.Options()), 11),
+        "parallel batch": (lambda b: texts.batch(b, num_parallel_calls=2).map(vectorized), 11),
         "padded_batch, then a map": (lambda b: words.padded_batch(b).map(lambda w: (w * 2, tf.reduce_sum(w, 1))), 11),
     }
     for name, (built, rows) in pipelines.items():
