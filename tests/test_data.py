@@ -350,6 +350,8 @@ def test_too_little_data():
     with pytest.raises(ValueError, match=r"The Sequence has 1 batch\(es\), fewer than the 2 workers.*1 row\(s\).*"
                                          r"Received: len\(sequence\)=1"):
         data.shard_sequence(_Rows(np.arange(1), 4), 2, 0)
+    with pytest.raises(ValueError, match=r"The Sequence has 0 batch\(es\), fewer than the 2 workers"):
+        data.shard_sequence(_Rows(np.arange(0), 4), 2, 0)
     with pytest.raises(TypeError, match="Received: set"):
         data.check_supported({1, 2})
 

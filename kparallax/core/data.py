@@ -254,8 +254,8 @@ def _warn_sequence_shaped_per_batch(sequence, num_workers, index):
     each worker's batch to its own, where one process pads its global batch to the longest of the step's batches."""
     first = [sequence[k] for k in range(min(num_workers, len(sequence)))]
     leaves = [tf.nest.flatten(batch) for batch in first]
-    if index != 0 or len({len(batch) for batch in leaves}) > 1:
-        return
+    if index != 0 or not leaves or len({len(batch) for batch in leaves}) > 1:
+        return  # (no batch: refused below, with the row count)
     for position in range(len(leaves[0])):
         shapes = [tuple(getattr(batch[position], "shape", ())) for batch in leaves]
         if all(len(shape) > 1 for shape in shapes) and len({shape[1:] for shape in shapes}) > 1:
