@@ -134,13 +134,14 @@ def shard_dataset(dataset, num_workers, index, steps_per_epoch=None):
             "Pass steps_per_epoch=..., or declare the length with "
             "dataset.apply(tf.data.experimental.assert_cardinality(n)). Received: cardinality=UNKNOWN.")
     padding = dataset_split.padding_values(dataset)
-    if num_workers > 1 and padding is None and any(
-            dataset_split.varying(spec) for spec in tf.nest.flatten(dataset.element_spec)):
+    varying = [f"component {k} {spec.shape}" for k, spec in enumerate(tf.nest.flatten(dataset.element_spec))
+               if dataset_split.varying(spec)]
+    if num_workers > 1 and padding is None and varying:
         global_batches = tf_compat.rebatched(dataset, num_workers)
         if global_batches is not None:
             return _global_parts(dataset, global_batches, num_workers, index)
         if index == 0:
-            _warn_shaped_per_batch(dataset)
+            _warn_shaped_per_batch(varying)
     if cardinality >= 0:
         blocker = None
         if cardinality % num_workers:
@@ -308,25 +309,22 @@ def _warn_batches_left_out(kind, usable, batches, num_workers, why):
                     usable, kind, batches, num_workers, batches - usable, why, num_workers)
 
 
-def _warn_shaped_per_batch(dataset):
-    """Warns (worker 0) when batches of ``dataset`` may be shaped by their own rows (dense components whose sizes
-    after the rows vary, not from a ``padded_batch`` last: a ``TextVectorization`` mapped after ``batch``, a
-    ``to_tensor()`` in a ``map``) and ``tf_compat.rebatched`` cannot build them with the global batch: one process
-    shapes its global batch, each worker its own part of it."""
-    varying = [f"component {k} {spec.shape}" for k, spec in enumerate(tf.nest.flatten(dataset.element_spec))
-               if dataset_split.varying(spec)]
-    if varying:
-        logging.warning(
-            "The training dataset's batches have sizes after the rows that vary (%s) and do not come from a "
-            "padded_batch last, nor from a batch fit can build again with the global batch's rows (one under only "
-            "map, prefetch, an in-memory cache and options, without drop_remainder): if the pipeline pads each "
-            "batch to its longest row (a TextVectorization or a to_tensor() mapped after batch), each worker's batch "
-            "is padded to its own longest row and one process's global batch to the global longest. A model that "
-            "masks the padding (mask_zero=True) trains as one process; one that does not (a pooling over the steps, "
-            "a convolution) trains apart from it. To train "
-            "exactly, fix the length (output_sequence_length=..., padded_shapes), pad with padded_batch as the "
-            "pipeline's last batching, or pad inside the model (a TextVectorization or to_tensor() in the model is "
-            "padded to the longest row over the workers).", ", ".join(varying))
+def _warn_shaped_per_batch(varying):
+    """Worker 0's warning that the training dataset's batches may be shaped by their own rows: ``varying`` names its
+    dense components whose sizes after the rows vary, not from a ``padded_batch`` last (a ``TextVectorization``
+    mapped after ``batch``, a ``to_tensor()`` in a ``map``), which ``tf_compat.rebatched`` cannot build with the
+    global batch: one process shapes its global batch, each worker its own part of it."""
+    logging.warning(
+        "The training dataset's batches have sizes after the rows that vary (%s) and do not come from a "
+        "padded_batch last, nor from a batch fit can build again with the global batch's rows (one under only "
+        "map, prefetch, an in-memory cache and options, without drop_remainder): if the pipeline pads each "
+        "batch to its longest row (a TextVectorization or a to_tensor() mapped after batch), each worker's batch "
+        "is padded to its own longest row and one process's global batch to the global longest. A model that "
+        "masks the padding (mask_zero=True) trains as one process; one that does not (a pooling over the steps, "
+        "a convolution) trains apart from it. To train "
+        "exactly, fix the length (output_sequence_length=..., padded_shapes), pad with padded_batch as the "
+        "pipeline's last batching, or pad inside the model (a TextVectorization or to_tensor() in the model is "
+        "padded to the longest row over the workers).", ", ".join(varying))
 
 
 def shard_generator(generator, num_workers, index, steps_per_epoch):
