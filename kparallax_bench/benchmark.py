@@ -48,6 +48,7 @@ import time
 
 from kparallax.cluster import coordinator as rendezvous
 from kparallax.cluster import net
+from kparallax.launch import cli as launch_cli
 from kparallax_bench import cpu
 from kparallax_bench import netem
 from kparallax_bench import outputs
@@ -192,9 +193,11 @@ def plan(variant, workers, args, hosts, out, tmp):
         slots = rendezvous.slot_plan_for_hosts([hosts.address(hosts.worker_host(rank)) for rank in range(workers)])
         port = net.free_port()
         hosts.serve(rendezvous.Coordinator(hosts.gateway, port, slots))
-        return [(hosts.worker_host(rank), bench, rendezvous.horovod_env(slot, hosts.gateway, port,
-                                                                       hosts.interface(hosts.worker_host(rank))), True)
-                for rank, slot in enumerate(slots)]
+        # Gloo waits for a peer as long as kparallax-run lets its own tasks wait (Gloo's default, 30 s, stopped
+        # Horovod's first broadcast of lm1b_sparse's tables on 100 Mbit/s links).
+        gloo = {"HOROVOD_GLOO_TIMEOUT_SECONDS": str(int(launch_cli.STALL_TIMEOUT))}
+        return [(hosts.worker_host(rank), bench, {**rendezvous.horovod_env(slot, hosts.gateway, port, hosts.interface(
+                    hosts.worker_host(rank))), **gloo}, True) for rank, slot in enumerate(slots)]
     # tf-pss: TensorFlow servers for the workers and PS tasks, and a chief (coordinator) process running Model.fit.
     ports = iter(net.free_port() for _ in range(1 + workers + num_ps))
     cluster = {"chief": [f"{hosts.address(0)}:{next(ports)}"],

@@ -143,21 +143,26 @@ class Step:
             return []
         return [v for g, v in grads_and_vars if isinstance(g, tf.IndexedSlices) and self.moves_sparse(v)]
 
-    def split(self, grads_and_vars):
+    def split(self, grads_and_vars, replayed=()):
+        """(replicated, PS) pairs of ``grads_and_vars`` with a gradient. ``replayed``: the variables whose
+        gradients a custom ``train_step`` transformed (``gradient_transforms``, set apart from ``grads_and_vars``),
+        counted in the architecture line logged at the first call."""
         dense, ps = [], []
         for grad, variable in grads_and_vars:
             if grad is not None:
                 (ps if self.is_ps_variable(variable) else dense).append((grad, variable))
         if not self._logged:
             self._logged = True
+            on_ps = len(ps) + sum(1 for v in replayed if self.is_ps_variable(v))
+            replicated = len(dense) + len(replayed) - (on_ps - len(ps))
             effective = self.options.architecture
-            if effective == "hybrid" and not ps:
+            if effective == "hybrid" and not on_ps:
                 effective = "allreduce (the model has no PS variable)"
-            elif effective == "hybrid" and not dense:
+            elif effective == "hybrid" and not replicated:
                 effective = "ps (the model has no replicated trainable variable)"
             logging.info("architecture: %s -> %s; %d variable(s) on PS, %d replicated; sync=%s, "
                          "backward_passes_per_step=%d, compression=%s", self.options.architecture, effective,
-                         len(ps), len(dense), self.options.sync, self.options.backward_passes_per_step,
+                         on_ps, replicated, self.options.sync, self.options.backward_passes_per_step,
                          self.options.compression)
         return dense, ps
 
@@ -262,8 +267,10 @@ def route(optimizer, step, grads_and_vars, apply_dense):
                                       accumulating=step.accumulator is not None,
                                       clipping=bool(keras_compat.clipping(optimizer)),
                                       ps_averages=step.options.average_sparse, stripe_of=step.stripe_of)
+    replayed = [v for (g, v), (kept, _) in zip(grads_and_vars, replay.local)
+                if g is not None and kept is None] if replay else []
     dense, ps = step.split(global_losses.weighted(replay.local if replay else grads_and_vars,
-                                                  global_losses.gradient_share()))
+                                                  global_losses.gradient_share()), replayed)
 
     def build(dense, ps):
         return step.build(optimizer, dense, ps, apply_dense, replay)

@@ -2456,6 +2456,26 @@ def distillation(scope, batch):
     return student
 
 
+def sparse_id_tables(scope, batch):
+    """Keras' Embedding called on SparseTensor id lists of different lengths (Keras' own
+    ``safe_embedding_lookup_sparse``: the mean of each row's vectors), two tables, Adam."""
+    ids, rng = _ids(88)
+    lengths = rng.integers(1, LEN + 1, size=ROWS)
+    where = np.array([[r, c] for r in range(ROWS) for c in range(lengths[r])], np.int64)
+    sparse_ids = tf.SparseTensor(where, np.array([ids[r, c] for r, c in where], np.int64), (ROWS, LEN))
+    y = rng.normal(size=(ROWS, 1)).astype(np.float32)
+    with scope():
+        ids_in = tf.keras.Input((LEN,), sparse=True, dtype=tf.int64)
+        first = tf.keras.layers.Embedding(VOCAB, EMB)(ids_in)
+        second = tf.keras.layers.Embedding(VOCAB, 4)(ids_in)
+        out = tf.keras.layers.Dense(1)(tf.keras.layers.Concatenate()([first, second]))
+        model = tf.keras.Model(ids_in, out)
+        _init(model)
+        model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="mse")
+        history = model.fit(sparse_ids, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+    model.logged = [np.array(history.history["loss"])]
+    return model
+
 PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_by_tf_gradients, clipped_with_table, clipped_each,
                                     clipped_each_row, mixed_float16_clipped,
                                     clipped_two_optimizers, ratio_metrics, custom_metric_classes, vector_metric_results,
@@ -2482,7 +2502,7 @@ PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_by_tf_gradients, 
                                     wide_deep_premade, tied_embeddings, dlrm, recomputed_block, float64_model,
                                     lookups_in_loops, accumulated_by_hand, distillation, encoded_features,
                                     padded_in_the_model,
-                                    feature_columns, weighted_bags, bidirectional_tagger,
+                                    feature_columns, weighted_bags, bidirectional_tagger, sparse_id_tables,
                                     built_by_first_step, train_on_batch_loop)}  # last two: they seed Keras' RNG
 
 
@@ -2494,7 +2514,7 @@ STRIPED = ("clipped_with_table", "clipped_each_row", "sparse_and_ragged_inputs",
            "odd_batch_count_dataset", "masked_sequence_losses", "own_loss_partial_batch", "stateful_lstm",
            "two_optimizers", "fine_tuning", "own_embedding_layer", "transformer_lm", "steps_per_execution_partial",
            "restore_best_weights", "wide_deep_premade", "callback_writes", "tied_embeddings", "dlrm",
-           "lookups_in_loops", "built_by_first_step", "train_on_batch_loop")
+           "lookups_in_loops", "sparse_id_tables", "built_by_first_step", "train_on_batch_loop")
 
 
 # Run again under architecture="ps" (the dense variables on the PS too, read once per step, updated there): programs
