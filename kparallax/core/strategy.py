@@ -292,7 +292,7 @@ class HybridStrategy:
             shard_path = f"{table.path}/part_{i}_of_{len(rows)}"
             if table.generation:
                 shard_path += f"_g{table.generation}"
-            initial = lambda i=i: striped.stripe_of(whole_value(), i, len(rows))  # noqa: E731
+            initial = lambda i=i: _stripe_where_made(whole_value(), i, len(rows))  # noqa: E731
             shards.append(self._registry.create(shard_path, [count] + row_shape, table.dtype, initial, task,
                                                 trainable=trainable, constraint=constraint, table=table, shard=i))
             shards[-1].read_policy = cached_reads.policy
@@ -441,6 +441,14 @@ class HybridStrategy:
                                    log_architecture=False)
             optimizer.__dict__["_kp_extra_step"] = step
         return step
+
+
+def _stripe_where_made(whole, shard, partitions):
+    """Stripe ``shard`` of the tensor ``whole``, cut on the device that holds ``whole``: only the stripe then
+    crosses to its PS task. Cut under the stripe's own PS device, the whole table crossed to every PS task once per
+    stripe (lm1b_sparse's 410 MB of tables in 8 stripes: 2.9 GB from PS task 0's host before the first step)."""
+    with tf.device(whole.device):
+        return striped.stripe_of(whole, shard, partitions)
 
 
 def _whole_value(initial_value, dtype):
