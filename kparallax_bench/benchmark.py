@@ -48,7 +48,7 @@ import time
 
 from kparallax.cluster import coordinator as rendezvous
 from kparallax.cluster import net
-from kparallax.launch import cli as launch_cli
+from kparallax.launch import env as launch_env
 from kparallax_bench import cpu
 from kparallax_bench import netem
 from kparallax_bench import outputs
@@ -195,7 +195,7 @@ def plan(variant, workers, args, hosts, out, tmp):
         hosts.serve(rendezvous.Coordinator(hosts.gateway, port, slots))
         # Gloo waits for a peer as long as kparallax-run lets its own tasks wait (Gloo's default, 30 s, stopped
         # Horovod's first broadcast of lm1b_sparse's tables on 100 Mbit/s links).
-        gloo = {"HOROVOD_GLOO_TIMEOUT_SECONDS": str(int(launch_cli.STALL_TIMEOUT))}
+        gloo = launch_env.gloo_env(launch_env.STALL_TIMEOUT)
         return [(hosts.worker_host(rank), bench, {**rendezvous.horovod_env(slot, hosts.gateway, port, hosts.interface(
                     hosts.worker_host(rank))), **gloo}, True) for rank, slot in enumerate(slots)]
     # tf-pss: TensorFlow servers for the workers and PS tasks, and a chief (coordinator) process running Model.fit.

@@ -22,9 +22,6 @@ from kparallax.core import options as options_lib  # TF-free: the architecture n
 from kparallax.launch import cluster_file
 from kparallax.launch import env as env_lib
 
-# Seconds without a finished step before a run is stopped; also Gloo's own wait for a silent peer (``env.py``).
-STALL_TIMEOUT = 300.0
-
 
 def _parser():
     parser = argparse.ArgumentParser(
@@ -55,10 +52,11 @@ def _parser():
     parser.add_argument("--bind-all", "--bind_all", dest="bind_all", action="store_true",
                         help="let TensorFlow's servers listen on all interfaces (default: only the task's cluster "
                              "address, enforced with a small LD_PRELOAD library)")
-    parser.add_argument("--stall_timeout", "--stall-timeout", dest="stall_timeout", type=float, default=STALL_TIMEOUT,
+    parser.add_argument("--stall_timeout", "--stall-timeout", dest="stall_timeout", type=float,
+                        default=env_lib.STALL_TIMEOUT,
                         help="seconds without any worker finishing a step (whatever it waits on: a collective, a "
                              "remote op, the PS) before the run is stopped, naming the workers behind (default "
-                             f"{STALL_TIMEOUT:g}; Horovod's stall warnings start at half of it)")
+                             f"{env_lib.STALL_TIMEOUT:g}; Horovod's stall warnings start at half of it)")
     parser.add_argument("--max_restarts", "--max-restarts", dest="max_restarts", type=int, default=0,
                         help="when a task fails (on any host), stop every task and start the whole group again, up "
                              "to this many times (same run id; local mode picks new ports, cluster files keep theirs "

@@ -37,6 +37,16 @@ def default_run_id(plan, command):
     return f"run-{digest}"
 
 
+# Seconds without a finished step before a run is stopped (--stall_timeout's default); Gloo's own wait for a silent
+# peer is the same (``gloo_env``).
+STALL_TIMEOUT = 300.0
+
+
+def gloo_env(stall_timeout):
+    """Horovod's Gloo waits for a silent peer as long as the launcher lets a run stall (``stall_timeout`` s)."""
+    return {"HOROVOD_GLOO_TIMEOUT_SECONDS": str(int(stall_timeout))}
+
+
 def base_env(args, ps_hosts, worker_hosts, run_id, log_dir, connect_lock=None):
     """The environment shared by every task of the run."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -57,7 +67,7 @@ def base_env(args, ps_hosts, worker_hosts, run_id, log_dir, connect_lock=None):
     # for) and shuts Horovod down later, as a backstop when no progress files are written.
     env["HOROVOD_STALL_CHECK_TIME_SECONDS"] = str(max(1, int(args.stall_timeout // 2)))
     env["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] = str(int(args.stall_timeout * 1.5))
-    env["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(int(args.stall_timeout))  # Gloo's own wait for a silent peer
+    env.update(gloo_env(args.stall_timeout))
     return env
 
 

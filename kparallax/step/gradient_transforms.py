@@ -198,6 +198,11 @@ class Replay:
                        and all(not isinstance(leaf.gradient, tf.IndexedSlices) and leaf.variable.ref() in targets
                                for leaf in self._leaves))
 
+    @property
+    def variables(self):
+        """The variables whose gradients are replayed (set apart in ``local``), in the step's order."""
+        return [self._grads_and_vars[j][1] for j in sorted(self._transforms)]
+
     def leaves(self, share=None):
         """(tape output, variable) of every tape output the replayed gradients read, each weighted by ``share``
         (this worker's share of the global batch, or None): what the workers exchange, or push when ``on_ps``."""

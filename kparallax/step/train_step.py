@@ -153,8 +153,8 @@ class Step:
                 (ps if self.is_ps_variable(variable) else dense).append((grad, variable))
         if not self._logged:
             self._logged = True
-            on_ps = len(ps) + sum(1 for v in replayed if self.is_ps_variable(v))
-            replicated = len(dense) + len(replayed) - (on_ps - len(ps))
+            replayed_on_ps = sum(1 for v in replayed if self.is_ps_variable(v))
+            on_ps, replicated = len(ps) + replayed_on_ps, len(dense) + len(replayed) - replayed_on_ps
             effective = self.options.architecture
             if effective == "hybrid" and not on_ps:
                 effective = "allreduce (the model has no PS variable)"
@@ -267,10 +267,8 @@ def route(optimizer, step, grads_and_vars, apply_dense):
                                       accumulating=step.accumulator is not None,
                                       clipping=bool(keras_compat.clipping(optimizer)),
                                       ps_averages=step.options.average_sparse, stripe_of=step.stripe_of)
-    replayed = [v for (g, v), (kept, _) in zip(grads_and_vars, replay.local)
-                if g is not None and kept is None] if replay else []
     dense, ps = step.split(global_losses.weighted(replay.local if replay else grads_and_vars,
-                                                  global_losses.gradient_share()), replayed)
+                                                  global_losses.gradient_share()), replay.variables if replay else ())
 
     def build(dense, ps):
         return step.build(optimizer, dense, ps, apply_dense, replay)

@@ -2476,6 +2476,7 @@ def sparse_id_tables(scope, batch):
     model.logged = [np.array(history.history["loss"])]
     return model
 
+
 PROGRAMS = {f.__name__: f for f in (clipped_gradients, clipped_by_tf_gradients, clipped_with_table, clipped_each,
                                     clipped_each_row, mixed_float16_clipped,
                                     clipped_two_optimizers, ratio_metrics, custom_metric_classes, vector_metric_results,
