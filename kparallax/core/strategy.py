@@ -288,11 +288,12 @@ class HybridStrategy:
     def _create_shards(self, table, rows, ps_tasks, whole_value, trainable, constraint):
         shards = []
         row_shape = list(table.shape[1:])
+        made_on = self._cluster.ps_device(ps_tasks[0])  # the first stripe's creation evaluates the whole value there
         for i, (count, task) in enumerate(zip(rows, ps_tasks)):
             shard_path = f"{table.path}/part_{i}_of_{len(rows)}"
             if table.generation:
                 shard_path += f"_g{table.generation}"
-            initial = lambda i=i: _stripe_where_made(whole_value(), i, len(rows))  # noqa: E731
+            initial = lambda i=i: _stripe_where_made(whole_value(), i, len(rows), made_on)  # noqa: E731
             shards.append(self._registry.create(shard_path, [count] + row_shape, table.dtype, initial, task,
                                                 trainable=trainable, constraint=constraint, table=table, shard=i))
             shards[-1].read_policy = cached_reads.policy
@@ -443,11 +444,13 @@ class HybridStrategy:
         return step
 
 
-def _stripe_where_made(whole, shard, partitions):
-    """Stripe ``shard`` of the tensor ``whole``, cut on the device that holds ``whole``: only the stripe then
-    crosses to its PS task. Cut under the stripe's own PS device, the whole table crossed to every PS task once per
-    stripe (lm1b_sparse's 410 MB of tables in 8 stripes: 2.9 GB from PS task 0's host before the first step)."""
-    with tf.device(whole.device):
+def _stripe_where_made(whole, shard, partitions, made_on):
+    """Stripe ``shard`` of the tensor ``whole``, cut on ``made_on`` (the PS device where the chief made ``whole``):
+    only the stripe then crosses to its PS task. Cut under the stripe's own PS device, the whole table crossed to
+    every PS task once per stripe (lm1b_sparse's 410 MB of tables in 8 stripes: 2.9 GB from PS task 0's host before
+    the first step). Named by the cluster, not by ``whole.device``: a value made before this process joined the
+    cluster names the local job it had then ("/job:localhost/...: unknown device" once connected)."""
+    with tf.device(made_on):
         return striped.stripe_of(whole, shard, partitions)
 
 
