@@ -60,8 +60,8 @@ def _learning_rate(optimizer):
 def sent_bytes(model):
     """(dense, sparse) bytes this worker has sent so far: allreduce payload and PS pushes (0, 0 before training,
     or for a model not compiled under a strategy)."""
-    from kparallax.core import keras_hooks  # pylint: disable=import-outside-toplevel
-    compiled = keras_hooks.compiled(model)
+    from kparallax.core import model_state  # pylint: disable=import-outside-toplevel
+    compiled = model_state.compiled(model)
     return (0, 0) if compiled is None else compiled.step.sent_bytes()
 
 

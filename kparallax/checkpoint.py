@@ -28,7 +28,7 @@ from kparallax import log as logging
 from kparallax._compat import keras as keras_compat
 from kparallax._compat import striped
 from kparallax._compat import tf as tf_compat
-from kparallax.core import keras_hooks
+from kparallax.core import model_state
 from kparallax.core import resume
 from kparallax.core import saving
 from kparallax.step import collectives
@@ -37,7 +37,7 @@ POINTER = "checkpoint.json"
 
 
 def _clones(model):
-    state = keras_hooks.compiled(model)
+    state = model_state.compiled(model)
     if state is None:
         raise ValueError("Checkpoints need a model compiled inside HybridStrategy.scope(). Received: a model whose "
                          f"optimizer is {type(model.optimizer).__name__}.")
@@ -214,7 +214,7 @@ def restore(strategy, model, path, continue_fit=False):
         for shards, keys in ps_state:
             clones.set_state(shards, [data[key] for key in keys])
         if continue_fit:
-            keras_hooks.compiled(model).resume = resume.pending_from_checkpoint(
+            model_state.compiled(model).resume = resume.pending_from_checkpoint(
                 strategy, meta["step"], meta.get("metrics"), data["metric_states"] if resumes else None)
     tf_compat.async_wait()
     collectives.eager_barrier(strategy.num_workers, name="kp_restored")

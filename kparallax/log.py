@@ -11,7 +11,7 @@ import sys
 
 PREFIX = "INFO:kparallax:"
 # Horovod's error when a collective ends because another rank stopped: a worker says so in one line
-# (``keras_hooks``), and the launcher, finding it in a failed worker's log, looks for the worker that caused it.
+# (``core/errors.py``), and the launcher, finding it in a failed worker's log, looks for the worker that caused it.
 HOROVOD_SHUT_DOWN = "Horovod has been shut down"
 _logger = _logging.getLogger("kparallax")
 

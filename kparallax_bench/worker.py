@@ -39,8 +39,8 @@ def parse():
     parser.add_argument("--out", required=True)
     parser.add_argument("--partitions", type=int, default=1, help="kparallax variants: shards per table")
     parser.add_argument("--batch_norm", choices=("per_worker", "global"), default="per_worker",
-                        help="BatchNormalization statistics: kparallax variants sync_batch_norm=False / True; "
-                             "horovod variants Keras' layer / hvd.SyncBatchNormalization")
+                        help="BatchNormalization statistics: kparallax variants Keras' layer / the layer with "
+                             "synchronized=True; horovod variants Keras' layer / hvd.SyncBatchNormalization")
     parser.add_argument("--local_aggregation", choices=("auto", "on", "off"), default="auto",
                         help="kparallax variants: HybridStrategy(local_aggregation=...)")
     parser.add_argument("--placement", default=None, help="kparallax variants: HybridStrategy(placement=...), JSON")
@@ -170,6 +170,19 @@ def tf_pss(args):
     return model, timer, workers, info
 
 
+def _synchronized_batch_norm():
+    """Makes every ``tf.keras.layers.BatchNormalization`` the models build ``synchronized=True``."""
+    import tensorflow as tf
+    base = tf.keras.layers.BatchNormalization
+
+    class SynchronizedBatchNormalization(base):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("synchronized", True)
+            super().__init__(*args, **kwargs)
+
+    tf.keras.layers.BatchNormalization = SynchronizedBatchNormalization
+
+
 def main():
     args = parse()
     variant = args.variant
@@ -183,11 +196,12 @@ def main():
         strategy = kp.HybridStrategy(kp.Cluster.from_env(), architecture=architecture,
                                      sparse_as_dense=variant == "kparallax-allreduce-dense",
                                      partitions=args.partitions, sync=variant != "kparallax-hybrid-async",
-                                     sync_batch_norm=args.batch_norm == "global",
                                      local_aggregation={"auto": "auto", "on": True,
                                                         "off": False}[args.local_aggregation],
                                      placement=json.loads(args.placement) if args.placement else None)
         workers, rank = strategy.num_workers, strategy.worker_index
+        if args.batch_norm == "global":  # Keras' own opt-in, which kparallax honours
+            _synchronized_batch_norm()
         timer = step_timer(args.warmup, rank, f"{variant}@{workers}")
         make_model, make_optimizer, loss, data, info = build(args.model, args.batch_size, workers, rank)
         with strategy.scope():

@@ -36,8 +36,6 @@ flags.DEFINE_integer("epochs", 1, "Passes over the training data when --train_st
 flags.DEFINE_float("learning_rate", None, "Base SGD learning rate for a global batch of 256 (scaled linearly).")
 flags.DEFINE_integer("log_every", 10, "Steps between progress lines and TensorBoard writes.", lower_bound=1)
 flags.DEFINE_integer("seed", 1, "Seed.")
-flags.DEFINE_bool("sync_batch_norm", True, "BatchNormalization statistics over all workers' batches (as one process "
-                  "on the global batch); --nosync_batch_norm: each worker's own batch (Horovod's default, faster).")
 flags.register_validator("learning_rate", lambda rate: rate is None or (math.isfinite(rate) and rate > 0),
                          "--learning_rate must be a finite number > 0")
 
@@ -51,8 +49,7 @@ def main(argv):
     from kparallax_models import script_errors
 
     tf.keras.utils.set_random_seed(FLAGS.seed)
-    strategy = kp.HybridStrategy(kp.Cluster.from_env(), architecture=FLAGS.architecture,
-                                 sync_batch_norm=FLAGS.sync_batch_norm)
+    strategy = kp.HybridStrategy(kp.Cluster.from_env(), architecture=FLAGS.architecture)
     overrides = {k: getattr(FLAGS, k) for k in ("batch_size", "learning_rate") if getattr(FLAGS, k) is not None}
     config = resnet.preset(FLAGS.config, **overrides)
     if strategy.is_chief:

@@ -105,64 +105,6 @@ def test_data_left_out_to_give_every_worker_the_same_steps_is_named_by_worker_0(
     assert "(their rows are not split over the workers: they hold 1 row(s), fewer than the 4 workers)" in message
 
 
-def test_batches_shaped_by_their_own_rows_are_built_with_the_global_batch_and_split_as_one_process_s():
-    # Texts vectorized after batch: each batch padded to its longest text. One process pads its global batch, so
-    # fit builds the dataset again with batches of N times the rows, the same map (and cache, prefetch, a parallel
-    # map, a padded_batch under it) after them, and gives each worker its part of each: the workers' parts, worker
-    # 0's first, are one process's batches, padded as wide (before, each worker padded its own: 0.075 off one
-    # process on a Keras program, with a warning).
-    texts = tf.data.Dataset.from_tensor_slices(["a b", "a", "b a b a", "a", "b", "a a", "b b b", "a", "a b", "b",
-                                                "a"])
-    vectorize = tf.keras.layers.TextVectorization()
-    vectorize.adapt(texts)
-    words = tf.data.Dataset.range(11).map(lambda k: tf.range(k % 4 + 1))
-
-    def vectorized(t):
-        return vectorize(t), tf.strings.length(t)
-
-    pipelines = {  # name: (how one process builds it with a batch size, the rows)
-        "map": (lambda b: texts.batch(b).map(vectorized), 11),
-        "map, cache, prefetch": (lambda b: texts.batch(b).map(vectorized).cache().prefetch(1), 11),
-        "parallel map, options": (lambda b: texts.batch(b).map(vectorized, num_parallel_calls=2).with_options(
-            tf.data.Options()), 11),
-        "parallel batch": (lambda b: texts.batch(b, num_parallel_calls=2).map(vectorized), 11),
-        "padded_batch, then a map": (lambda b: words.padded_batch(b).map(lambda w: (w * 2, tf.reduce_sum(w, 1))), 11),
-    }
-    for name, (built, rows) in pipelines.items():
-        for workers in (2, 3):  # 11 rows by 2: global batches of 4 (4, 4, 3 rows) and 6 (6, 5)
-            one_process = list(built(2 * workers).as_numpy_iterator())
-            assert _warnings_of(lambda n=workers: data.shard_dataset(built(2), n, 0)) == [], name
-            shards = [data.shard_dataset(built(2), workers, i) for i in range(workers)]
-            assert [int(s.cardinality()) for s in shards] == [len(one_process)] * workers, name
-            shards = [list(s.as_numpy_iterator()) for s in shards]
-            for step, want in enumerate(one_process):
-                parts = [shard[step] for shard in shards]
-                assert [len(p[0]) for p in parts] == [len(want[0]) // workers + (i < len(want[0]) % workers)
-                                                      for i in range(workers)], name
-                np.testing.assert_array_equal(np.concatenate([p[0] for p in parts]), want[0], err_msg=name)
-                np.testing.assert_array_equal(np.concatenate([p[1] for p in parts]), want[1], err_msg=name)
-    # A last global batch of fewer rows than workers is left out, and worker 0 says so (9 rows by 4 on 2 workers).
-    nine = texts.take(9).batch(4).map(vectorized)
-    [message] = _warnings_of(lambda: data.shard_dataset(nine, 2, 0))
-    assert message.startswith("fit trains on 8 of the dataset's 9 rows in each epoch: its batches are shaped by their "
-                              "own rows")
-    assert _warnings_of(lambda: data.shard_dataset(nine, 2, 1)) == []  # worker 0 says it, once
-    assert [len(b[0]) for b in data.shard_dataset(nine, 2, 1).as_numpy_iterator()] == [4]
-    # Where the dataset cannot be built again so (something else above the batch, a fixed batch dimension, a cache
-    # file), each worker's batch is shaped by its own rows: worker 0 warns at fit, naming the fixes.
-    for mapped in (texts.batch(2).map(vectorized).take(4), texts.batch(2, drop_remainder=True).map(vectorized),
-                   texts.batch(2).map(vectorized).cache(os.path.join(tempfile.mkdtemp(), "cache"))):
-        [message] = [m for m in _warnings_of(lambda d=mapped: data.shard_dataset(d, 2, 0))
-                     if not m.startswith("fit trains on")]  # (5 batches of 2 made by drop_remainder: one left out)
-        assert message.startswith("The training dataset's batches have sizes after the rows that vary (component 0 "
-                                  "(None, None)) and do not come from a padded_batch last")
-        assert "pad inside the model" in message
-        assert _warnings_of(lambda d=mapped: data.shard_dataset(d, 2, 1)) == []  # worker 0 says it, once
-    fixed = tf.keras.layers.TextVectorization(output_sequence_length=3)
-    fixed.adapt(texts)
-    assert _warnings_of(lambda: data.shard_dataset(texts.batch(2).map(fixed).take(4), 2, 0)) == []
-
-
 def test_the_last_batches_of_an_odd_count_are_split_by_rows_as_one_process_batches_them():
     # 27 rows (ids, a sparse feature, y, weights) batched by 4: 7 batches, the last of 3 rows. One process with the
     # global batch of N * 4 rows trains on the same rows in each step: its last step's rows are those of the last
@@ -197,8 +139,7 @@ def test_the_last_batches_of_an_odd_count_are_split_by_rows_as_one_process_batch
         messages = _warnings_of(lambda d=ds, n=workers: data.shard_dataset(d, n, 0))
         left_out = [m for m in messages if m.startswith("fit trains on")]
         assert len(left_out) == 1 and why in left_out[0], messages
-        # (batches whose shapes vary: worker 0 also says that each worker's batch is shaped by its own rows)
-        assert len(messages) == 1 + ("shapes vary" in why), messages
+        assert len(messages) == 1, messages
     # A map that changes the rows after the batch is not seen before; the split stops at the last step, naming them.
     shrunk = tf.data.Dataset.range(12).batch(4).map(lambda b: b[:1])
     with pytest.raises(tf.errors.InvalidArgumentError, match="hold fewer rows than workers"):
@@ -415,11 +356,7 @@ def test_a_sequence_is_sharded_by_whole_batches_and_keeps_its_epoch_end():
     assert [(x.tolist(), y.tolist()) for x, y in last] == [([12, 13], [-12, -13]), ([14, 15], [-14, -15]),
                                                            ([16], [-16])]
     # Arrays whose shapes differ beyond the rows (padded to each batch's longest) are not joined: left out, said.
-    # And worker 0 says that each worker's batch is padded to its own longest row, where one process pads its global
-    # batch (the first step's batches differ: (2, 3), (2, 4), (2, 5)).
-    shaped, left_out = _warnings_of(lambda: data.shard_sequence(_Padded(), 3, 0))
-    assert shaped.startswith("The Sequence's first 3 batches hold arrays whose shapes differ beyond the rows ((2, 3), "
-                             "(2, 4), (2, 5)): if it pads each batch to its own longest row")
+    (left_out,) = _warnings_of(lambda: data.shard_sequence(_Padded(), 3, 0))
     assert "their arrays' shapes differ beyond the row count ([(2, 6), (1, 7)])" in left_out
     assert _warnings_of(lambda: data.shard_sequence(_Padded(), 3, 1)) == []  # worker 0 says it, once
     assert len(data.shard_sequence(_Padded(), 3, 1)) == 1

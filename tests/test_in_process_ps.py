@@ -920,30 +920,6 @@ def test_a_ps_variable_written_in_the_training_step_is_refused_before_any_update
         np.testing.assert_array_equal(was, now)
 
 
-def _halves_loss(y_true, y_pred):
-    """A batch laid out as [firsts; seconds]: each row of the first half paired with its place in the second."""
-    (true_a, true_b), (pred_a, pred_b) = tf.split(y_true, 2), tf.split(y_pred, 2)
-    return tf.square((pred_a - pred_b) - (true_a - true_b))
-
-
-def test_a_compiled_loss_taking_rows_by_their_place_in_the_batch_is_refused_before_any_update(strategy):
-    """Each micro-batch (as each worker) would pair the halves of its own rows, one process those of the whole
-    batch: refused at the first step through Keras' compiled loss, naming the op (before: not seen; on 2 workers the
-    model ended 0.11 off one process, silently)."""
-    x, y = _data()
-    with kp.HybridStrategy(strategy.cluster, backward_passes_per_step=2).scope():
-        model = _model("halves")
-        model.compile(optimizer="sgd", loss=_halves_loss)
-        before = model.get_weights()
-        with pytest.raises(tf.errors.InvalidArgumentError,
-                           match=r"Rows of the batch meet in .*split \(Split takes rows of the batch by their place in "
-                                 r"it, axis 0 of its input .*Received: that op in the training step of a job of 1 "
-                                 r"worker\(s\) accumulating backward_passes_per_step=2 micro-batches"):
-            model.fit(x, y, batch_size=8, epochs=1, verbose=0)
-    for was, now in zip(before, model.get_weights()):
-        np.testing.assert_array_equal(was, now)
-
-
 class _HalvedEachEpoch(tf.keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         table = self.model.layers[0].embeddings

@@ -377,9 +377,10 @@ def test_training_outside_the_strategy_is_refused_in_a_multi_worker_job(tmp_path
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mode, means", [("batch_norm_global", ("3.5000", "3.5000")),
                                          ("batch_norm_per_worker", ("1.5000", "5.5000"))])
-def test_batch_normalization_statistics_span_the_workers_unless_per_worker_is_asked(tmp_path, mode, means):
-    """Worker 0's batch has mean 1.5, worker 1's mean 5.5: the global batch's mean, 3.5, by default (one process on the
-    global batch); each worker's own with sync_batch_norm=False (Horovod's behaviour)."""
+def test_batch_normalization_statistics_span_the_workers_when_synchronized(tmp_path, mode, means):
+    """Worker 0's batch has mean 1.5, worker 1's mean 5.5: the global batch's mean, 3.5, with Keras'
+    synchronized=True (one process on the global batch); each worker's own by default (as under Horovod and
+    tf.distribute)."""
     run = testing.run_local([sys.executable, os.path.join(PROGRAMS, "worker_behaviour.py"), mode],
                             log_dir=str(tmp_path), workers=2, ps=1, timeout=120)
     assert run.returncode == 0, run.report()

@@ -16,7 +16,6 @@ from kparallax.core.options import Options
     ({"backward_passes_per_step": 0}, r"Received: backward_passes_per_step=0"),
     ({"compression": "int8"}, r"compression must be one of \('none', 'fp16'\). Received: compression='int8'"),
     ({"sync": "no"}, r"sync must be True or False. Received: sync='no'"),
-    ({"sync_batch_norm": 1}, r"sync_batch_norm must be True or False. Received: sync_batch_norm=1"),
     ({"sparse_as_dense": True}, r"sparse_as_dense applies to architecture='allreduce' only"),
     ({"architecture": "allreduce", "sync": False}, r"sync=False .* needs PS variables"),
     ({"partitions": "auto", "backward_passes_per_step": 2}, r"partitions='auto' needs sync=True and"),

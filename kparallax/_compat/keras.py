@@ -17,6 +17,7 @@
 
 import contextlib
 import functools
+import importlib
 import random
 import sys
 import typing
@@ -35,6 +36,14 @@ NewOptimizer = tf.keras.optimizers.Optimizer
 LegacyOptimizer = tf.keras.optimizers.legacy.Optimizer
 # The batch size Keras' fit, evaluate and predict use for arrays when given none.
 DEFAULT_BATCH_SIZE = 32
+
+
+def internal(name):
+    """Keras 2's private module ``name`` (``"engine.data_adapter"``): ``keras.src.<name>`` where ``tf.keras`` is Keras
+    2.15, ``tf_keras.src.<name>`` where it is the tf-keras package (TensorFlow 2.16+ with ``TF_USE_LEGACY_KERAS=1``).
+    The one place kparallax reaches Keras' internals by module."""
+    package = tf.keras.Model.__module__.split(".")[0]  # "keras" or "tf_keras"
+    return importlib.import_module(f"{package}.src.{name}")
 
 
 def weights_created(model):
@@ -72,7 +81,7 @@ def weight_count(weight):
 def is_weight_handler(weight):
     """Whether ``weight`` (an entry of a layer's ``weights``) is a trackable Keras sets through its handler (Keras
     2.15: ``base_layer_utils.TrackableWeightHandler``), not a variable."""
-    from keras.src.engine import base_layer_utils  # pylint: disable=import-outside-toplevel
+    base_layer_utils = internal("engine.base_layer_utils")
     return isinstance(weight, base_layer_utils.TrackableWeightHandler)
 
 
@@ -343,7 +352,7 @@ def holds_slots(optimizer, variable):
     optimizer = getattr(optimizer, "inner_optimizer", optimizer)
     if optimizer_family(optimizer) == "new":
         return optimizer._var_key(variable) in getattr(optimizer, "_index_dict", {}) and len(optimizer.variables) > 1
-    from keras.src.optimizers.legacy import optimizer_v2  # pylint: disable=import-outside-toplevel
+    optimizer_v2 = internal("optimizers.legacy.optimizer_v2")
     return bool(getattr(optimizer, "_slots", {}).get(optimizer_v2._var_key(variable)))
 
 
@@ -464,7 +473,7 @@ def keras_loader_on_stack(max_depth=200):
 
 def train_validation_split(arrays, validation_split):
     """Keras' own split of (x, y, sample_weight) into training and the last ``validation_split`` fraction."""
-    from keras.src.engine import data_adapter  # pylint: disable=import-outside-toplevel
+    data_adapter = internal("engine.data_adapter")
     return data_adapter.train_validation_split(arrays, validation_split=validation_split)
 
 
@@ -531,7 +540,7 @@ def single_step_train_function(model, make_train_function):
 
 def minimum_control_deps(outputs):
     """Keras' own choice of what ``_train_counter`` waits for after a step (private ``_minimum_control_deps``)."""
-    from keras.src.engine import training as keras_training  # pylint: disable=import-outside-toplevel
+    keras_training = internal("engine.training")
     return keras_training._minimum_control_deps(outputs)  # pylint: disable=protected-access
 
 

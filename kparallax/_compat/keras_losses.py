@@ -1,24 +1,17 @@
-"""Keras 2's compiled losses and metrics, scaled for the workers (Keras 2.15 as ``tf.keras``; the same private
-containers exist in tf-keras 2.16-2.18).
+"""Keras 2's compiled losses, scaled for the workers (Keras 2.15 as ``tf.keras``; the same private containers
+exist in tf-keras 2.16-2.21).
 
 - Compiled losses are wrapped through the private ``LossesContainer._losses`` list once its ``build`` ran
-  (``scale_compiled_losses``), compiled metrics through ``MetricsContainer._metrics`` / ``_weighted_metrics``
-  (``weigh_compiled_metrics``).
-- ``_valid_count`` mirrors how Keras 2.15's ``Loss.__call__`` averages under a mask (the Keras mask of ``y_pred``,
-  a sparse cross-entropy's ``ignore_class``).
-- A ``MeanMetricWrapper`` keeps its function in the private ``_fn`` / ``_fn_kwargs``.
+  (``scale_compiled_losses``); Keras' logged loss is its private ``_total_loss_mean``.
+- ``_valid_count`` mirrors how Keras 2's ``Loss.__call__`` averages under a mask (the Keras mask of ``y_pred``, a
+  sparse cross-entropy's ``ignore_class``, kept in a ``LossFunctionWrapper``'s private ``_fn_kwargs``).
 
 ``step/global_losses.py`` says why and when each scale applies.
 """
 
-import contextlib
-import functools
 import typing
 
 import tensorflow as tf
-
-from kparallax._compat import repeated_rows
-from kparallax._compat import tf as tf_compat
 
 
 class LossScales(typing.NamedTuple):
@@ -28,20 +21,15 @@ class LossScales(typing.NamedTuple):
     scalar tensor), or None when every worker's batch has the same rows. ``over_workers``: a function giving the sum
     of a float scalar over the workers (a collective), for the valid counts of masked losses. ``micro_batches``:
     the micro-batches accumulated per update (``backward_passes_per_step``), whose gradients the step averages.
-    ``globalized``: a function giving, for a loss function and its (y_true, y_pred), a replacement taking its
-    statistics of the batch over every worker, or None where it needs none (``step/batch_statistics.py``); None:
-    never replaced.
     """
     workers: int
     rows_share: object
     over_workers: typing.Callable
     micro_batches: int = 1
-    globalized: typing.Callable = None
 
 
 _SUMMED = (tf.keras.losses.Reduction.SUM, tf.keras.losses.Reduction.NONE)
 _AVERAGED = (tf.keras.losses.Reduction.AUTO, tf.keras.losses.Reduction.SUM_OVER_BATCH_SIZE)
-_APART = [contextlib.nullcontext]  # the context ops of counts of kparallax's own are made under (hook_apart)
 
 
 class _ScaledLoss:
@@ -53,11 +41,8 @@ class _ScaledLoss:
     per-example values and differentiates their sum): the gradient times ``workers``. Averaged losses: unchanged
     without a mask (Keras divides by the element count; the share does the rest); under a mask (Keras divides by
     the valid count) value and gradient times ``workers * valid / valid over all workers``. A loss function that
-    gives one scalar for the batch, whatever the reduction (Keras leaves a scalar as it is): value and gradient
-    times ``workers`` if it sums over the batch, unchanged if it averages (``_batch_scalar_sums``). A loss function
-    of statistics of the batch other than their sums and means runs with the global batch's (``globalized``): one
-    scalar so computed is one process's on every worker and is left as it is. Every other attribute is the wrapped
-    loss's.
+    returns one scalar for the batch is left as it is (a mean of the worker's batch, by contract). Every other
+    attribute is the wrapped loss's.
     """
 
     def __init__(self, loss, scales):
@@ -67,24 +52,10 @@ class _ScaledLoss:
         return getattr(self._loss, name)
 
     def __call__(self, y_true, y_pred, sample_weight=None):
-        with _own_average_loss():
-            return self._scaled(y_true, y_pred, sample_weight)
-
-    def _scaled(self, y_true, y_pred, sample_weight):
+        value = self._loss(y_true, y_pred, sample_weight=sample_weight)
         scales = self._scales()
-        replaced = None
-        if scales is not None and scales.globalized is not None and not _masked(self._loss, y_pred):
-            replaced = scales.globalized(self._loss.call, y_true, y_pred)
-        with _call_replaced(self._loss, replaced):
-            value = self._loss(y_true, y_pred, sample_weight=sample_weight)
         if scales is None or scales.workers * scales.micro_batches == 1:
             return value
-        if replaced is not None and _gives_one_scalar(self._loss.call, y_true, y_pred):
-            return value  # one process's value on the global batch, on every worker
-        _, sums = _batch_scalar_sums(self._loss.call, y_true, y_pred)
-        if sums is not None:  # a mean needs nothing more than an averaged loss does; a sum what reduction "sum" does
-            summed = summed_factor(scales, value.dtype)
-            return value * tf.where(sums, summed, tf.ones([], value.dtype))
         if self._loss.reduction in _SUMMED:
             factor = summed_factor(scales, value.dtype)
         else:
@@ -107,26 +78,6 @@ class _ScaledLoss:
         return value * factor
 
 
-@contextlib.contextmanager
-def _call_replaced(loss, call):
-    """While active, ``loss.call`` (the function Keras' ``Loss.__call__`` runs) is ``call``; unchanged if None."""
-    if call is None:
-        yield
-        return
-    loss.__dict__["call"] = call
-    try:
-        yield
-    finally:
-        del loss.__dict__["call"]
-
-
-def _own_average_loss():
-    """TensorFlow's own ``tf.nn.compute_average_loss`` while a compiled loss or metric function runs: these scale a
-    scalar summed over the batch themselves (``_batch_scalar_sums``), which the step's (``global_losses``) would
-    scale again."""
-    return tf_compat.average_loss_replaced(lambda own: own)
-
-
 def _share(scales, dtype):
     """This worker's share of the global batch (``rows_share``; 1 when every worker's batch has the same rows)."""
     return tf.ones([], dtype) if scales.rows_share is None else tf.cast(scales.rows_share, dtype)
@@ -145,46 +96,6 @@ def _over_share(factor, scales):
     return factor if scales.rows_share is None else factor / tf.cast(scales.rows_share, factor.dtype)
 
 
-def _batch_scalar_sums(fn, y_true, y_pred):
-    """For a loss or metric function ``fn(y_true, y_pred)`` that gives ONE scalar for the whole batch (a user's
-    function ending in ``tf.reduce_sum`` or ``tf.reduce_mean`` over the batch): its value, and whether it sums over
-    the batch, a boolean tensor, true when its value on the batch repeated twice is nearer twice its value than its
-    value (a mean stays, a sum doubles). ``(None, None)`` for a function giving a value per example, which Keras
-    reduces itself.
-
-    The function's output rank is read from a trace of its own, so the step gets no extra ops (and no extra random
-    draws) for a function that gives a value per example, such as every Keras loss and metric. The value on the
-    doubled batch is recomputed from the ops after the batch's rows (``repeated_rows``), which cannot fail where the
-    function runs (before, the whole function ran on the doubled batch: an in-batch-negatives loss, labels
-    ``tf.range`` over the rows against a column per candidate, failed with a label out of range on several workers).
-    Where those ops cannot tell (the step runs eagerly, an op that is not copied, a static batch's count divided by)
-    the whole function runs on the doubled batch."""
-    if not _gives_one_scalar(fn, y_true, y_pred):
-        return None, None
-    once = fn(y_true, y_pred)
-    with _APART[0]():  # a count of kparallax's own: the batch's rows meeting there are not refused
-        twice = repeated_rows.twice_where_told(once, (y_true, y_pred))
-        if twice is None:
-            twice = fn(tf.concat([y_true, y_true], axis=0), tf.concat([y_pred, y_pred], axis=0))
-        return once, repeated_rows.doubles(once, twice)
-
-
-def _gives_one_scalar(fn, y_true, y_pred):
-    """Whether ``fn(y_true, y_pred)`` gives one scalar, read from a trace of its own (no ops in the step)."""
-    specs = [tf.type_spec_from_value(t) for t in (y_true, y_pred)]
-    return tf.function(fn).get_concrete_function(*specs).structured_outputs.shape.rank == 0
-
-
-def batch_scalar_update(value, sums, workers, share):
-    """(value, sample weight) with which a worker adds ``value``, one scalar for its batch, to a ``Mean`` or ``Sum``
-    so that the states summed over the ``workers`` are one process's: ``value * N`` with weight ``1 / N`` where
-    ``sums`` (a sum over the batch: the global batch's sum, counted once), ``value`` with weight ``share / N``
-    otherwise (a mean: the global batch's mean). ``share``: this worker's share of the global batch (a scalar
-    tensor, ones when batches have one size); the weight takes its dtype."""
-    return (value * tf.where(sums, tf.cast(workers, value.dtype), tf.ones([], value.dtype)),
-            tf.where(sums, tf.ones([], share.dtype), share) / tf.cast(workers, share.dtype))
-
-
 def _scaled(value, shown, gradient):
     """``value`` times ``shown``, with its gradient times ``gradient``."""
     return value * shown + (gradient - shown) * (value - tf.stop_gradient(value))
@@ -199,11 +110,6 @@ def _ignore_class(loss):
     """A sparse cross-entropy's ``ignore_class`` (kept in a ``LossFunctionWrapper``'s private ``_fn_kwargs``), or
     None."""
     return (getattr(loss, "_fn_kwargs", None) or {}).get("ignore_class")
-
-
-def _masked(loss, y_pred):
-    """Whether Keras averages ``loss`` under a mask (``_valid_count``)."""
-    return _keras_mask(y_pred) is not None or _ignore_class(loss) is not None
 
 
 def _valid_count(loss, y_true, y_pred):
@@ -223,28 +129,6 @@ def _valid_count(loss, y_true, y_pred):
         return None
     mask = masks[0] if len(masks) == 1 else tf.logical_and(masks[0], masks[1])
     return tf.reduce_sum(tf.cast(mask, tf.float32))
-
-
-def hook_apart(apart):
-    """Makes the ops of counts the step takes over the workers itself under ``apart()`` (once, process-wide), so
-    the batch's rows meeting there are not refused (``step/rows_meet.py``): Keras 2.15's
-    ``losses_utils.apply_valid_mask`` (for a mean loss under a mask it multiplies the mask by its size over its valid
-    count, a count over the whole batch; the step counts that over the workers, ``_ScaledLoss``), and a scalar loss
-    recomputed on the batch's rows repeated twice (``_batch_scalar_sums``: its doubled rows are two blocks of the
-    batch, which ``row_axes`` follows as a contrastive loss's two views)."""
-    _APART[0] = apart
-    from keras.src.utils import losses_utils  # pylint: disable=import-outside-toplevel
-    original = losses_utils.apply_valid_mask
-    if getattr(original, "_kp_apart", False):
-        return
-
-    @functools.wraps(original)
-    def apply_valid_mask(*args, **kwargs):
-        with apart():
-            return original(*args, **kwargs)
-
-    apply_valid_mask._kp_apart = True  # pylint: disable=protected-access
-    losses_utils.apply_valid_mask = apply_valid_mask
 
 
 def scale_compiled_losses(model, scales):
@@ -293,58 +177,6 @@ def _weigh_rowless_mean(metric, scales):
     metric.update_state = update_state
 
 
-def weigh_compiled_metrics(model, scales):
-    """Makes the metric functions of ``model.compiled_metrics`` (a private ``MetricsContainer``: its ``_metrics``
-    and ``_weighted_metrics`` hold ``Metric`` objects once ``build`` ran, at the first call) that give one scalar
-    for the batch update their means as one process's do (``_weigh_batch_scalars``)."""
-    container = getattr(model, "compiled_metrics", None)
-    if container is None:
-        return
-
-    def weigh():
-        for metric in tf.nest.flatten([container._metrics, container._weighted_metrics]):  # pylint: disable=protected-access
-            if isinstance(metric, tf.keras.metrics.MeanMetricWrapper):
-                _weigh_batch_scalars(metric, scales)
-
-    _after_build(container, weigh)
-
-
-def _weigh_batch_scalars(metric, scales):
-    """``metric`` (a ``MeanMetricWrapper``) updated, while ``scales()`` (a ``LossScales``) is set, so that its states
-    summed over the workers are one process's when its function gives one scalar for the batch.
-
-    One process adds its global batch's scalar to the mean's total and 1 to its count. The states are summed over
-    the workers (``step/logs.py``), so each worker adds ``value * N`` with weight ``1 / N`` for a sum over the batch
-    (total: the global batch's sum; count: 1), and ``value`` with weight ``share / N`` for a mean (total: the global
-    batch's mean, also when batches differ in size; count: 1). A function of statistics of the batch other than
-    their sums and means (a mean over a mask written by hand, ``LossScales.globalized``) runs with the global
-    batch's: each worker adds that one value with weight ``1 / N``. Functions giving a value per example, and updates
-    with a sample weight or a mask, are Keras' own."""
-    update = metric.update_state
-
-    def update_state(y_true, y_pred, sample_weight=None):
-        with _own_average_loss():
-            return weighed_update(y_true, y_pred, sample_weight)
-
-    def weighed_update(y_true, y_pred, sample_weight):
-        current = scales()
-        value = sums = None
-        if current is not None and current.workers > 1 and sample_weight is None:
-            fn = functools.partial(metric._fn, **metric._fn_kwargs)  # pylint: disable=protected-access
-            cast = tf.cast(y_true, metric.dtype), tf.cast(y_pred, metric.dtype)
-            replaced = current.globalized and current.globalized(fn, *cast)
-            if replaced is not None and _gives_one_scalar(fn, *cast):  # one process's value on every worker
-                weight = tf.constant(1 / current.workers, metric.dtype)  # counted once over the summed states
-                return tf.keras.metrics.Mean.update_state(metric, replaced(*cast), sample_weight=weight)
-            value, sums = _batch_scalar_sums(fn, *cast)
-        if sums is None:
-            return update(y_true, y_pred, sample_weight=sample_weight)
-        value, weight = batch_scalar_update(value, sums, current.workers, _share(current, value.dtype))
-        return tf.keras.metrics.Mean.update_state(metric, value, sample_weight=weight)
-
-    metric.update_state = update_state
-
-
 def batch_rows(data):
     """The number of rows of a training step's batch ``data`` (Keras' ``(x, y, sample_weight)``): the first
     dimension of its first tensor (an int64 scalar tensor)."""
@@ -354,48 +186,3 @@ def batch_rows(data):
     if isinstance(first, tf.RaggedTensor):
         return first.nrows(out_type=tf.int64)
     return tf.shape(first, out_type=tf.int64)[0]
-
-
-def _plain_reduce(metric):
-    """Whether ``metric`` is a Keras ``Mean`` or ``Sum`` whose class keeps their ``update_state(values,
-    sample_weight)`` (not a ``MeanMetricWrapper``, which takes ``y_true, y_pred``)."""
-    return (isinstance(metric, (tf.keras.metrics.Mean, tf.keras.metrics.Sum))
-            and type(metric).update_state is tf.keras.metrics.Sum.update_state)
-
-
-def weigh_scalar_updates(metric, weigh):
-    """Makes ``metric`` (a ``Mean`` or ``Sum``; others are left alone), when updated with one value and no sample
-    weight, update with ``weigh(metric, value)`` instead: a (value, sample weight) pair, or None for Keras' own
-    update. Once per metric: Keras binds ``update_state`` to each instance when it makes it (``Metric.__new__``), so
-    the instance attribute is what is wrapped."""
-    if not _plain_reduce(metric) or metric.__dict__.get("_kparallax_scalar_updates"):
-        return
-    update = metric.update_state
-
-    def update_state(values, sample_weight=None):
-        if sample_weight is None and tf.is_tensor(values) and values.shape.rank == 0:
-            weighed = weigh(metric, values)
-            if weighed is not None:
-                values, sample_weight = weighed
-        return update(values, sample_weight=sample_weight)
-
-    metric.update_state = update_state
-    metric.__dict__["_kparallax_scalar_updates"] = True
-
-
-@contextlib.contextmanager
-def on_metric_call(install):
-    """While one step is traced: calling a metric (``Metric.__call__``, which ``add_metric`` does with the ``Mean`` it
-    has just made) runs ``install(metric)`` first."""
-    cls = tf.keras.metrics.Metric  # defines __call__, which Mean and Sum inherit
-    original = cls.__call__
-
-    def call(self, *args, **kwargs):
-        install(self)
-        return original(self, *args, **kwargs)
-
-    cls.__call__ = call
-    try:
-        yield
-    finally:
-        cls.__call__ = original

@@ -19,7 +19,6 @@ Versions: TensorFlow 2.15 (seen 2.15.1). Touches ``ShardedVariable``'s private `
 registry and ``saveable_object``.
 """
 
-import collections.abc
 import typing
 
 import numpy as np
@@ -228,7 +227,7 @@ def _shards(params):
     return list((params[0] if isinstance(params, list) else params).variables)
 
 
-# The message of a striped lookup's id check; keras_hooks._explained reads it (and the three values after it).
+# The message of a striped lookup's id check; core/errors.explained reads it (and the three values after it).
 ID_CHECK_MESSAGE = "kparallax: an id outside the table; smallest id, largest id, table rows:"
 
 

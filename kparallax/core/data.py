@@ -124,8 +124,7 @@ def shard_dataset(dataset, num_workers, index, steps_per_epoch=None):
     When the batch count is not a multiple of the workers, the last global batch is made of the rows of the last
     ``batches % num_workers`` batches, split in order (as each global batch of arrays is), where
     ``dataset_split.last_rows_blocker`` finds nothing against it; otherwise those batches are left out, with a
-    warning from worker 0 saying why. Batches of a ``padded_batch`` are padded to the longest in their step; batches
-    shaped by a ``map`` after the batch are built again with the global batch's rows and split (``_global_parts``)."""
+    warning from worker 0 saying why. Batches of a ``padded_batch`` are padded to the longest in their step."""
     _check_shardable(dataset, num_workers)
     cardinality = int(dataset.cardinality())
     if cardinality == tf.data.UNKNOWN_CARDINALITY and steps_per_epoch is None:
@@ -134,14 +133,6 @@ def shard_dataset(dataset, num_workers, index, steps_per_epoch=None):
             "Pass steps_per_epoch=..., or declare the length with "
             "dataset.apply(tf.data.experimental.assert_cardinality(n)). Received: cardinality=UNKNOWN.")
     padding = dataset_split.padding_values(dataset)
-    varying = [f"component {k} {spec.shape}" for k, spec in enumerate(tf.nest.flatten(dataset.element_spec))
-               if dataset_split.varying(spec)]
-    if num_workers > 1 and padding is None and varying:
-        global_batches = tf_compat.rebatched(dataset, num_workers)
-        if global_batches is not None:
-            return _global_parts(dataset, global_batches, num_workers, index)
-        if index == 0:
-            _warn_shaped_per_batch(varying)
     if cardinality >= 0:
         blocker = None
         if cardinality % num_workers:
@@ -233,8 +224,6 @@ def shard_sequence(sequence, num_workers, index):
     batch count is not a multiple of N, its part (in order) of the rows of the last ``len % N`` batches (loaded
     once here, to see that they can be split; otherwise they are left out, with a warning from worker 0)."""
     batches = len(sequence)
-    if num_workers > 1:
-        _warn_sequence_shaped_per_batch(sequence, num_workers, index)
     blocker = None
     if batches % num_workers:
         blocker = _sequence_rows_blocker(_last_batches(sequence, num_workers), num_workers)
@@ -249,55 +238,8 @@ def shard_sequence(sequence, num_workers, index):
     return _SequenceShard(sequence, num_workers, index, split_last=False)
 
 
-def _warn_sequence_shaped_per_batch(sequence, num_workers, index):
-    """Worker 0 warns when the first ``num_workers`` batches of ``sequence`` (one step's, loaded once by every worker,
-    alike) hold arrays whose shapes differ beyond the rows: a Sequence padding each batch to its own longest row pads
-    each worker's batch to its own, where one process pads its global batch to the longest of the step's batches."""
-    first = [sequence[k] for k in range(min(num_workers, len(sequence)))]
-    leaves = [tf.nest.flatten(batch) for batch in first]
-    if index != 0 or not leaves or len({len(batch) for batch in leaves}) > 1:
-        return  # (no batch: refused below, with the row count)
-    for position in range(len(leaves[0])):
-        shapes = [tuple(getattr(batch[position], "shape", ())) for batch in leaves]
-        if all(len(shape) > 1 for shape in shapes) and len({shape[1:] for shape in shapes}) > 1:
-            logging.warning(
-                "The Sequence's first %d batches hold arrays whose shapes differ beyond the rows (%s): if it pads "
-                "each batch to its own longest row (pad_sequences without maxlen), each worker's batch is padded to "
-                "its own longest row, where one process pads its global batch to the longest of the step's batches. "
-                "A model that masks the padding (mask_zero=True) trains as one process; one that does not (a pooling "
-                "over the steps, a convolution) trains apart from it. To train exactly, fix the length "
-                "(pad_sequences(maxlen=...)), or give the rows as a tf.data pipeline padded by padded_batch, or pad "
-                "inside the model (a ragged input's to_tensor() is padded to the longest row over the workers).",
-                len(first), ", ".join(str(shape) for shape in shapes))
-            return
-
-
 def _unsplit(blocker):
     return "" if blocker is None else f", and their rows cannot be split over the workers: {blocker}"
-
-
-def _global_parts(dataset, global_batches, num_workers, index):
-    """Worker ``index``'s parts of ``global_batches`` (``dataset`` built again with batches of ``num_workers`` times
-    the rows, its ``map`` after them): a last global batch of fewer rows than workers is left out, with worker 0's
-    warning."""
-    count = int(global_batches.cardinality())
-    found = tf_compat.batching(dataset)
-    if count > 0 and found is not None and found[1] is not None:
-        batch_size, rows = found
-        last = rows % (num_workers * batch_size)
-        if 0 < last < num_workers:
-            if count == 1:
-                raise ValueError(f"The dataset has {rows} rows, fewer than the {num_workers} workers. Use more data. "
-                                 f"Received: {rows} rows.")
-            if index == 0:
-                logging.warning(
-                    "fit trains on %d of the dataset's %d rows in each epoch: its batches are shaped by their own "
-                    "rows (a map after the batch), so fit builds them with the global batch of %d rows and splits "
-                    "those; the last %d row(s) make a global batch of fewer rows than the %d workers and are left "
-                    "out. Give a row count without such a remainder to train on every row.",
-                    rows - last, rows, num_workers * batch_size, last, num_workers)
-            global_batches = global_batches.take(count - 1)
-    return dataset_split.global_parts(global_batches, num_workers, index)
 
 
 def _warn_batches_left_out(kind, usable, batches, num_workers, why):
@@ -307,24 +249,6 @@ def _warn_batches_left_out(kind, usable, batches, num_workers, why):
                     "Give a batch count that is a multiple of %d (another batch size), or repeat the data and give "
                     "steps_per_epoch, to train on every row.",
                     usable, kind, batches, num_workers, batches - usable, why, num_workers)
-
-
-def _warn_shaped_per_batch(varying):
-    """Worker 0's warning that the training dataset's batches may be shaped by their own rows: ``varying`` names its
-    dense components whose sizes after the rows vary, not from a ``padded_batch`` last (a ``TextVectorization``
-    mapped after ``batch``, a ``to_tensor()`` in a ``map``), which ``tf_compat.rebatched`` cannot build with the
-    global batch: one process shapes its global batch, each worker its own part of it."""
-    logging.warning(
-        "The training dataset's batches have sizes after the rows that vary (%s) and do not come from a "
-        "padded_batch last, nor from a batch fit can build again with the global batch's rows (one under only "
-        "map, prefetch, an in-memory cache and options, without drop_remainder): if the pipeline pads each "
-        "batch to its longest row (a TextVectorization or a to_tensor() mapped after batch), each worker's batch "
-        "is padded to its own longest row and one process's global batch to the global longest. A model that "
-        "masks the padding (mask_zero=True) trains as one process; one that does not (a pooling over the steps, "
-        "a convolution) trains apart from it. To train "
-        "exactly, fix the length (output_sequence_length=..., padded_shapes), pad with padded_batch as the "
-        "pipeline's last batching, or pad inside the model (a TextVectorization or to_tensor() in the model is "
-        "padded to the longest row over the workers).", ", ".join(varying))
 
 
 def shard_generator(generator, num_workers, index, steps_per_epoch):

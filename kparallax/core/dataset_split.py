@@ -13,9 +13,9 @@ it from one pass over the dataset (a ``scan`` over its enumerated batches, which
 * **``padded_batch`` to each batch's longest element.** One process pads its global batch to the longest element in
   it; each worker's batch is padded to the longest in the step's ``N`` batches, with the dataset's padding values, so
   that a model that does not mask the padding (a pooling over time, a convolution) sees one process's inputs.
-* **Batches shaped by a ``map`` after the batch** (a ``TextVectorization`` padding each batch to its longest text):
-  the dataset is built again with batches of N times the rows before the same map (``tf_compat.rebatched``), and
-  each worker keeps its part of each global batch (``global_parts``), as one process shapes it.
+
+Batches shaped by a ``map`` after the batch (a ``TextVectorization`` padding each batch to its longest text) are
+each worker's own, by contract: the training-contract page tells how to fix the length.
 """
 
 import numpy as np
@@ -196,23 +196,6 @@ def part(t, index, rows, num_workers):
         indices = tf.concat([kept.indices[:, :1] - first, kept.indices[:, 1:]], axis=1)
         return tf.SparseTensor(indices, kept.values, tf.concat([[size], t.dense_shape[1:]], axis=0))
     return t[first:first + size]
-
-
-def global_parts(dataset, num_workers, index):
-    """Worker ``index``'s part (``part``) of each batch of ``dataset``, whose batches are the steps' global batches
-    (``tf_compat.rebatched``): the workers' parts, worker 0's first, are one process's batch in its order, shaped as
-    one process shapes it. A batch of fewer rows than workers stops the epoch with an error naming it (each worker
-    needs a row in every step). A component of no rows (a scalar) is given whole to every worker."""
-    spec = dataset.element_spec
-
-    def own(*element):
-        return tf.nest.pack_sequence_as(spec, _parts(
-            tf.nest.flatten(element, expand_composites=False), index, num_workers,
-            f"fit splits each global batch of the dataset (its batch built {num_workers} times larger, with the map "
-            f"after it) over the {num_workers} workers, and one holds fewer rows than workers: every worker needs a "
-            f"row in every step. Received: its row count"))
-
-    return dataset.map(own)
 
 
 def take_rows(t, positions):

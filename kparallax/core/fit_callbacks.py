@@ -51,7 +51,7 @@ class ReplicatedWeights:
     ``sync()`` first waits for this worker's pending PS writes, then broadcasts the replicated variables not
     broadcast yet (a collective, so it is also a barrier) and returns them. A model built by its first call gets its
     variables when the train function is first traced, before that step runs: ``sync_new()`` there broadcasts them
-    (``keras_hooks``). A step that runs eagerly creates them while it runs: inside ``broadcast_created()`` each one
+    (``train_function``). A step that runs eagerly creates them while it runs: inside ``broadcast_created()`` each one
     takes worker 0's value as it is created, before the step reads it. Any other variable that first appears during
     a step is broadcast by ``sync_late()`` after it, with a warning.
     """
@@ -151,7 +151,7 @@ class AverageMetrics(tf.keras.callbacks.Callback):
         self._training = None  # the epoch's training results, taken before validation reset the metrics
 
     def _over_workers(self, logs, metrics, tag):
-        # A failed step check raises InvalidArgumentError here; ``fit`` (keras_hooks._explained) says it plainly.
+        # A failed step check raises InvalidArgumentError here; ``fit`` (errors.explained) says it plainly.
         merged = logs_lib.over_workers(dict(logs), metrics, keras_compat.step_optimizer(self.model).iterations.numpy(),
                                        self._strategy.num_workers, name=f"kp_metrics_{tag}",
                                        worker_index=self._strategy.worker_index)

@@ -11,7 +11,7 @@ state is handed over: weights through ``set_weights`` (tables whole), the optimi
 import tensorflow as tf
 
 from kparallax._compat import keras as keras_compat
-from kparallax.core import keras_hooks
+from kparallax.core import model_state
 from kparallax.core import saved_optimizer
 from kparallax.core import saving
 from kparallax.step import collectives
@@ -23,7 +23,7 @@ def load_model(strategy, filepath, custom_objects=None, compile=True):  # pylint
     # Every worker calls this; worker 0 may have just saved the file (``model.save`` writes on worker 0 only and
     # returns at once on the others): nobody reads it before that save returned.
     collectives.eager_barrier(strategy.num_workers, name="kp_model_loading")
-    with keras_hooks.outside_scopes(), saving.plain_variables():
+    with model_state.outside_scopes(), saving.plain_variables():
         plain = tf.keras.models.load_model(filepath, custom_objects=custom_objects, compile=compile)
         try:
             config = tf.keras.saving.serialize_keras_object(plain)
@@ -40,7 +40,7 @@ def load_model(strategy, filepath, custom_objects=None, compile=True):  # pylint
             f"strategy.load_model could not build the model of {filepath!r} from its config (no build config). "
             f"Received: a {type(model).__name__} without weights. Build it inside the scope and use load_weights.")
     model.set_weights(plain.get_weights())
-    compiled = keras_hooks.compiled(model)
+    compiled = model_state.compiled(model)
     listed = keras_compat.optimizer_list(plain.optimizer)
     # Keras 2.15's .keras loader restores no state into a list of optimizers: then both start fresh.
     fresh_list = listed is not None and not any(int(o.iterations.numpy()) for o in listed)

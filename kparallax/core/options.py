@@ -28,10 +28,6 @@ class Options:
       backward_passes_per_step: micro-batches each worker accumulates locally before communicating once.
       sync: False applies each worker's PS update on arrival (asynchronous PS); dense allreduce stays synchronous.
       compression: ``"none"`` or ``"fp16"`` for the dense allreduce.
-      sync_batch_norm: in synchronous training of several workers, BatchNormalization layers take their batch
-        statistics over all workers' batches (one allreduce per layer per step), as one process on the global batch
-        does. False: each worker's own batch (Horovod's and tf.distribute's default; not equivalent to one process),
-        except layers built with ``synchronized=True``.
     """
 
     architecture: str = "hybrid"
@@ -44,7 +40,6 @@ class Options:
     backward_passes_per_step: int = 1
     sync: bool = True
     compression: str = "none"
-    sync_batch_norm: bool = True
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -63,7 +58,7 @@ class Options:
         if self.local_aggregation != AUTO and not isinstance(self.local_aggregation, bool):
             raise TypeError("local_aggregation must be True, False or 'auto'. Received: local_aggregation="
                             f"{self.local_aggregation!r}.")
-        for name in ("average_sparse", "sparse_as_dense", "sync", "sync_batch_norm"):
+        for name in ("average_sparse", "sparse_as_dense", "sync"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False. Received: {name}={getattr(self, name)!r}.")
         if self.compression not in COMPRESSIONS:

@@ -5,7 +5,7 @@ model (``keras_hooks``) to these functions: for the duration of the call each pa
 local variable holding the whole table, so the files are what a plain process would write and load in a process
 that has never imported kparallax. Only worker 0 writes files. A model holding PS variables that was not compiled
 under the strategy (a two-tower model's tower) gets ``save`` and ``load_weights`` through Keras' ``Model`` class
-(``keras_hooks._saved_whole_uncompiled``): its own weights only, as plain Keras saves an uncompiled model.
+(``layer_weights.saved_whole_uncompiled``): its own weights only, as plain Keras saves an uncompiled model.
 """
 
 import contextlib

@@ -20,6 +20,8 @@ from kparallax._compat import tf as tf_compat
 from kparallax.cluster import Cluster
 from kparallax.cluster import runtime
 from kparallax.core import keras_hooks
+from kparallax.core import layer_weights
+from kparallax.core import model_state
 from kparallax.core import loading
 from kparallax.core import options as options_lib
 from kparallax.core import partition_search
@@ -86,10 +88,6 @@ class HybridStrategy:
         and one update; ``fit``'s ``batch_size`` is then the micro-batch.
       sync: False makes PS updates asynchronous (each worker's update applied on arrival; dense stays synchronous).
       compression: ``"none"`` or ``"fp16"`` (Horovod's fp16 compression of the dense allreduce).
-      sync_batch_norm: True (default): in synchronous training of several workers, BatchNormalization layers
-        normalize with statistics over all workers' batches (one allreduce per layer call), as one process on the
-        global batch does. False: over each worker's own batch, as Horovod and tf.distribute do by default (faster,
-        not equivalent to one process); layers built with ``synchronized=True`` stay global.
       connect_timeout: seconds to wait for the PS tasks to accept connections.
       init_timeout: seconds a worker waits for the chief to initialize a shared variable.
 
@@ -107,7 +105,7 @@ class HybridStrategy:
                  placement: Optional[Mapping[str, str]] = None, partitions: Union[int, str] = 1,
                  max_partitions: int = 16, auto_steps: int = 5, average_sparse: bool = True, sparse_as_dense: bool = False,
                  local_aggregation: Union[bool, str] = "auto", backward_passes_per_step: int = 1, sync: bool = True,
-                 compression: str = "none", sync_batch_norm: bool = True, connect_timeout: float = 30.0,
+                 compression: str = "none", connect_timeout: float = 30.0,
                  init_timeout: float = 300.0):
         cluster = Cluster.from_env() if cluster is None else cluster
         if not isinstance(cluster, Cluster):
@@ -116,7 +114,7 @@ class HybridStrategy:
             architecture=options_lib.architecture_from_env(architecture), partitions=partitions,
             max_partitions=max_partitions, auto_steps=auto_steps, average_sparse=average_sparse, sparse_as_dense=sparse_as_dense,
             local_aggregation=local_aggregation, backward_passes_per_step=backward_passes_per_step, sync=sync,
-            compression=compression, sync_batch_norm=sync_batch_norm)
+            compression=compression)
         for name, value in (("connect_timeout", connect_timeout), ("init_timeout", init_timeout)):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds. Received: {name}={value!r}.")
@@ -202,7 +200,7 @@ class HybridStrategy:
     @contextlib.contextmanager
     def scope(self):
         """Context in which variables are placed and ``Model.compile`` wraps the optimizer."""
-        with keras_hooks.active(self), tf.variable_creator_scope(self._create_variable):
+        with model_state.active(self), tf.variable_creator_scope(self._create_variable):
             yield self
 
     def load_model(self, filepath, custom_objects=None, compile=True):  # pylint: disable=redefined-builtin
@@ -265,7 +263,7 @@ class HybridStrategy:
             return variable
         constraint = kwargs.get("constraint")
         if layer is not None:
-            keras_hooks.bind_layer(layer, self)
+            layer_weights.bind_layer(layer, self)
         if len(decision.rows) == 1 and not decision.auto:
             variable = self._registry.create(path, shape, dtype, initial_value, decision.ps_task,
                                              trainable=trainable, constraint=constraint)
@@ -363,7 +361,7 @@ class HybridStrategy:
             decision = self._placement.for_sparse_gradient(path, variable.shape.as_list())
             self._registry.move(variable, path, decision.ps_task)
             for layer in keras_compat.layers_holding(model, variable):
-                keras_hooks.bind_layer(layer, self)
+                layer_weights.bind_layer(layer, self)
             logging.info("placement: %s %s -> ps[%d] %s (%s: moved from replicated at the first step)", path,
                          variable.shape.as_list(), decision.ps_task, self._cluster.ps[decision.ps_task], decision.why)
             if self._options.partitions != 1:

@@ -5,7 +5,7 @@ holds rows i, i + P, i + 2P, ...: a frequency-sorted vocabulary's hot rows sprea
 ``tf.nn.embedding_lookup`` on it gathers from the shards that own the ids only, and each shard receives its own
 IndexedSlices gradient, so lookups and updates touch only the owning shards. Keras lists the shards as the layer's weights (as under TensorFlow's
 ParameterServerStrategy); ``get_weights``/``set_weights`` of the layers and models holding one are bound per
-instance (``keras_hooks``) to present each table whole, with these functions. ``table_of(variable)`` is the
+instance (``layer_weights``) to present each table whole, with these functions. ``table_of(variable)`` is the
 registry's: (Table, shard index) for a shard, else None. The layout itself (``stripe``, ``unstripe``,
 ``stripe_rows``) is defined once, in ``striped``.
 """

@@ -25,15 +25,10 @@ traced (``workers``):
   and the logged value so that Keras' rows-weighted mean is the global batch's. Under ``backward_passes_per_step >
   1`` refused: one process divides by the whole update's count, known only after its last micro-batch.
 
-A loss or metric function of a user's own that returns one scalar for the batch is told to be a sum or a mean over
-it (its value on the batch repeated twice doubles or stays, ``_compat.keras_losses._batch_scalar_sums``): a summed loss is
-scaled as ``reduction="sum"`` is, and such a metric's mean is updated so that its states summed over the workers are
-one process's (``_compat.keras_losses.weigh_compiled_metrics``). One that takes statistics of the batch through a
-nonlinear function (a root mean squared error, a mean over a mask written by hand) runs with the global batch's sums
-and means instead (``batch_statistics.py``), and is one process's value on every worker.
-
-``tf.nn.compute_average_loss`` (a ``train_step`` written for tf.distribute) with a ``global_batch_size`` divides the
-worker's sum by it where one process divides the whole batch's: it is scaled as a summed loss (``_average_loss``).
+That is the contract of ``tf.distribute`` and Horovod, made exact for the losses Keras computes. What a step
+computes itself follows each worker's batch: a loss function of the user's that returns one scalar is a mean of
+the worker's batch; ``tf.nn.compute_average_loss`` is the worker's mean when called without
+``global_batch_size`` (with one, it divides by that number, and the step still averages over the workers).
 """
 
 import contextlib
@@ -42,18 +37,14 @@ import threading
 import tensorflow as tf
 
 from kparallax._compat import keras_losses
-from kparallax._compat import tf as tf_compat
-from kparallax.step import batch_statistics
 from kparallax.step import collectives
 
 _ACTIVE = threading.local()
 
 
 def install(model):
-    """Scales ``model``'s compiled losses, and weighs its compiled metric functions that give one scalar for the
-    batch, inside ``workers``; leaves them alone elsewhere (evaluate)."""
+    """Scales ``model``'s compiled losses inside ``workers``; leaves them alone elsewhere (evaluate)."""
     keras_losses.scale_compiled_losses(model, lambda: getattr(_ACTIVE, "scales", None))
-    keras_losses.weigh_compiled_metrics(model, lambda: getattr(_ACTIVE, "scales", None))
 
 
 def batch_share(data, num_workers):
@@ -85,39 +76,18 @@ def weighted(grads_and_vars, share):
     return out
 
 
-def _average_loss(scales):
-    """A wrapper of ``tf.nn.compute_average_loss`` for a training step of several workers or micro-batches. Without
-    ``global_batch_size`` it is the worker's mean (the step's replica context is TensorFlow's default, one replica),
-    which the step averages as one process's mean. With one, the micro-batch's sum divided by it, where one process
-    divides the whole global batch's sum: multiplied as a summed loss is (``keras_losses.summed_factor``)."""
-    def wrap(original):
-        def compute_average_loss(per_example_loss, sample_weight=None, global_batch_size=None):
-            value = original(per_example_loss, sample_weight=sample_weight, global_batch_size=global_batch_size)
-            if global_batch_size is None:
-                return value
-            return value * keras_losses.summed_factor(scales, value.dtype)
-        return compute_average_loss
-    return wrap
-
-
 @contextlib.contextmanager
 def workers(num_workers, rows_share=None, micro_batches=1):
     """While one training step is traced: summed compiled losses count ``num_workers`` workers, masked ones weight
     this worker's part by its valid count, and with ``rows_share`` (from ``batch_share``, when batches may differ in
     size) the worker's gradients are weighted by its share of the global batch (``gradient_share``).
     ``micro_batches``: the step's backward_passes_per_step (summed losses count them too; masked ones are refused
-    under more than one). With several workers or micro-batches ``tf.nn.compute_average_loss`` with a
-    ``global_batch_size`` (a tf.distribute program's loss) is scaled as a summed loss (``_average_loss``)."""
+    under more than one)."""
     previous = getattr(_ACTIVE, "scales", None)
-    scales = keras_losses.LossScales(
+    _ACTIVE.scales = keras_losses.LossScales(
         num_workers, rows_share,
-        lambda count: collectives.sum_over_workers(count, num_workers, name="kp_valid_count"), micro_batches,
-        batch_statistics.globalized if num_workers > 1 and micro_batches == 1 else None)
-    _ACTIVE.scales = scales
-    averaged = (tf_compat.average_loss_replaced(_average_loss(scales)) if num_workers * micro_batches > 1
-                else contextlib.nullcontext())
+        lambda count: collectives.sum_over_workers(count, num_workers, name="kp_valid_count"), micro_batches)
     try:
-        with averaged:
-            yield
+        yield
     finally:
         _ACTIVE.scales = previous

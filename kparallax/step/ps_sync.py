@@ -32,7 +32,6 @@ import tensorflow as tf
 from kparallax._compat import keras as keras_compat
 from kparallax.step import clipping as clipping_lib
 from kparallax.step import collectives
-from kparallax.step import global_losses
 from kparallax.step import local_aggregation
 
 ACCUMULATOR = "kp_accumulator"
@@ -108,11 +107,9 @@ class SyncPs:
         return self._registry.helper(variable, name, [], tf.int64)
 
     @tf.autograph.experimental.do_not_convert
-    def build(self, grads_and_vars, replay=None, replicated_sum_of_squares=None):
+    def build(self, grads_and_vars, replicated_sum_of_squares=None):
         """Builds the pushes of ``grads_and_vars`` (PS variables) and the update by each variable's last push (with
-        ``clipnorm``, for dense gradients: the barrier and, on the chief, their update). ``replay``: a
-        ``gradient_transforms.Replay`` whose ``on_ps`` is true: its tape outputs are pushed too, then after the
-        barrier the chief repeats the ``train_step``'s transformation on their sums, on the PS, and applies it.
+        ``clipnorm``, for dense gradients: the barrier and, on the chief, their update).
         ``replicated_sum_of_squares``: with ``global_clipnorm``, that of the step's averaged replicated gradients
         (its ``PsStep.factor`` scales them)."""
         sparse = [(g, v) for g, v in grads_and_vars if isinstance(g, tf.IndexedSlices)]
@@ -143,25 +140,23 @@ class SyncPs:
                 with tf.control_dependencies([_op(added), _op(marked)]):
                     counted.append((variable, count(self._helper(variable, PUSHES))))
             sent.append(nbytes([rows, ids]))
-        replayed = replay.leaves(global_losses.gradient_share()) if replay else []
-        dense_grads, unused = self._local.dense([g for g, _ in dense + replayed])
+        dense_grads, unused = self._local.dense([g for g, _ in dense])
         keep += unused
         # With ``clipnorm`` or ``global_clipnorm``, a dense gradient's factor spans its table's shards (on several
         # tasks) or the whole step: every push must land before any update, so those go through a barrier and the
-        # chief. Without, the last push applies. So do the replayed ones: their transformation reads the sums of
-        # several variables.
+        # chief. Without, the last push applies.
         by_barrier = self._clip.by_norm or overall
         dense_tokens = []
-        for k, (grad, (_, variable)) in enumerate(zip(dense_grads or [], dense + replayed)):
+        for grad, (_, variable) in zip(dense_grads or [], dense):
             with tf.device(variable.device):
                 added = self._helper(variable, ACCUMULATOR).assign_add(grad)
                 with tf.control_dependencies([_op(added)]):
                     pushes = count(self._helper(variable, PUSHES))
-                dense_tokens.append(pushes if by_barrier or k >= len(dense) else self._update_if_last(
+                dense_tokens.append(pushes if by_barrier else self._update_if_last(
                     variable, pushes, lambda clone, step, v=variable: self._apply_summed(v, clone, step)))
             sent.append(nbytes([grad]))
         sent_bytes = tf.add_n(sent) if sent else tf.constant(0, tf.int64)
-        through_barrier = bool(replayed) or (dense and by_barrier)
+        through_barrier = bool(dense and by_barrier)
         pushed_all = None
         if through_barrier:  # with ``global_clipnorm`` sparse updates wait for it: their pushes' counts go in
             pushed_all = collectives.barrier(self._n, dense_tokens + ([p for _, p in counted] if overall else []),
@@ -195,9 +190,6 @@ class SyncPs:
                        else self._clip.dense_norm_factors(grads))
             updates = [self._apply_whole(variable, grad, factors.get(self._group(variable)))
                        for grad, variable in grads]
-        if replayed:
-            sums = {variable.ref(): self._read_whole(variable, pushed_all) for _, variable in replayed}
-            updates += [self._apply_whole(variable, grad) for grad, variable in replay.from_sums(sums)]
         return PsStep(tokens + updates, keep, sent_bytes, factor)
 
     def _tables(self, sparse):

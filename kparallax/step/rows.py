@@ -3,8 +3,9 @@
 kparallax's step is one process's only when each row's loss depends on that row alone: each worker computes its own
 rows' losses, and their gradients are averaged. A retrieval model scoring every query against every candidate of the
 batch (logits ``q @ d^T``, labels ``tf.range(batch)``) scores each worker's queries against that worker's candidates
-only: a smaller softmax, other gradients (0.69 off one process after 2 epochs on the README's probe; such a
-product without a gather is refused at the first step, ``rows_meet.py``).
+only: a smaller softmax, other gradients. That is the contract of Horovod and tf.distribute too, and it is the
+default here: the first step of several workers logs one warning where it sees the batch's rows multiplied with
+themselves (a ``[rows, rows]`` matrix product, ``warn_rows_meeting``), and trains on.
 Horovod's users gather the candidates themselves (``hvd.allgather``), tf.distribute's ``ReplicaContext.all_gather``;
 ``all_gather`` is that for kparallax, with ``row_offset`` for the labels:
 
@@ -25,8 +26,7 @@ tensor (a functional model being built), each returns a ``Lambda`` layer's outpu
 every step (called directly, it would run once, at construction, and leave the model without it).
 
 A program written for tf.distribute gathers with ``tf.distribute.get_replica_context().all_gather``; under kparallax
-that is TensorFlow's default context (one replica), whose gather returns the worker's own rows: in the training step
-of several workers it is refused with the fix (``step/replica_context.py``).
+that is TensorFlow's default context (one replica), whose gather returns the worker's own rows: use ``all_gather``.
 """
 
 import tensorflow as tf
@@ -34,7 +34,7 @@ from horovod import tensorflow as hvd
 
 from kparallax.step import collectives
 from kparallax.step import global_losses
-from kparallax.step import rows_meet
+from kparallax import log as logging
 from kparallax.step import train_step
 
 
@@ -97,7 +97,7 @@ def all_gather(value):
     num_workers = strategy.num_workers
     value = tf.convert_to_tensor(value)
     if not value.dtype.is_floating:
-        return rows_meet.gathered(collectives.allgather([value], num_workers, _unique("kp_all_gather"))[0])
+        return _gathered(collectives.allgather([value], num_workers, _unique("kp_all_gather"))[0])
     share = global_losses.gradient_share()
     sizes, start = _sizes(value, strategy)
 
@@ -115,7 +115,7 @@ def all_gather(value):
 
         return gathered, backward
 
-    return rows_meet.gathered(gather(value))
+    return _gathered(gather(value))
 
 
 @tf.autograph.experimental.do_not_convert
@@ -128,3 +128,56 @@ def row_offset(value):
     if strategy is None:
         return tf.constant(0, tf.int32)
     return _sizes(value, strategy)[1]
+
+
+_GATHERED = "kp_gathered"  # the collection of a traced step's graph that holds ``all_gather``'s outputs
+_PRODUCTS = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
+
+
+def _gathered(tensor):
+    tf.compat.v1.add_to_collection(_GATHERED, tensor)
+    return tensor
+
+
+def rows_meeting(graph, batch_rows):
+    """The names of the matrix products in ``graph`` (a traced training step) that multiply the batch's rows with
+    themselves: a ``[rows, rows]`` result (``rows``: ``batch_rows``, the batch's static row count, or None for an
+    unknown one) neither of whose operands comes from ``all_gather``. A cheap look at static shapes: it sees the
+    usual in-batch softmax (``q @ d^T``), not every way rows can meet."""
+    gathered = {t.name for t in graph.get_collection(_GATHERED)}
+    found = []
+    for op in graph.get_operations():
+        if op.type not in _PRODUCTS or len(op.outputs) != 1 or op.outputs[0].shape.rank != 2:
+            continue
+        rows, columns = op.outputs[0].shape.as_list()
+        if rows != batch_rows or columns != batch_rows or (batch_rows is not None and batch_rows < 2):
+            continue
+        if not any(_comes_from(t, gathered) for t in op.inputs):
+            found.append(op.name)
+    return found
+
+
+def _comes_from(tensor, names, limit=200):
+    """Whether ``tensor`` is computed from one of the tensors ``names`` (a bounded walk back through its ops)."""
+    seen, todo = set(), [tensor]
+    while todo and len(seen) < limit:
+        t = todo.pop()
+        if t.name in names:
+            return True
+        if t.name in seen:
+            continue
+        seen.add(t.name)
+        todo.extend(t.op.inputs)
+    return False
+
+
+def warn_rows_meeting(graph, batch_rows, num_workers):
+    """Logs one warning (worker 0) where ``rows_meeting`` finds products of the batch's rows with themselves."""
+    found = rows_meeting(graph, batch_rows)
+    if found:
+        logging.warning(
+            "The training step multiplies the batch's rows with each other (%s): on %d workers each worker scores its "
+            "own rows only (in-batch negatives from its own batch), as under Horovod and tf.distribute. To score "
+            "against the global batch, gather the candidates with kp.all_gather (labels: kp.row_offset(q) + "
+            "tf.range(rows)).", ", ".join(found[:3]), num_workers)
+    return found

@@ -3,10 +3,11 @@
 ``wrap(optimizer, step)`` returns an optimizer of the user's class (same hyper-parameters) whose
 ``apply_gradients`` builds the step:
 
-  1. a custom ``train_step``'s transformation of its gradients that averaging does not commute with (a clip) is
-     set apart, to be made on averaged tape outputs (``gradient_transforms``); when the workers' batches may differ
-     in size, weight each gradient by this worker's share of the global batch (``global_losses``); split the
-     gradients: replicated variables vs PS variables (the strategy's registry decides);
+  1. when the workers' batches may differ in size, weight each gradient by this worker's share of the global batch
+     (``global_losses``); split the gradients: replicated variables vs PS variables (the strategy's registry
+     decides). A custom ``train_step`` that transforms its gradients before ``apply_gradients`` (a clip) transforms
+     each worker's own, as under Horovod and tf.distribute; the optimizer's ``clipnorm`` / ``global_clipnorm``
+     clip the averaged ones (``clipping``);
   2. PS path (``ps_sync.SyncPs`` or ``ps_async.AsyncPs``): push; the step's last push updates on the PS;
   3. dense path: one Horovod allreduce per gradient (``collectives.average_gradients``; each starts when its
      gradient exists, Horovod fuses what is ready), applied locally by the user's optimizer, while the PS path is
@@ -14,7 +15,7 @@
   4. synchronous PS training ends at a barrier carrying the PS path's tokens, so no worker reads PS rows of the
      next step before the update of this one has landed.
 With ``backward_passes_per_step = k`` the gradients are first accumulated locally (``accumulation.py``) and steps
-2-4 run every k-th call. Around it, the model's ``train_step`` (``core/keras_hooks._train_step``) takes the
+2-4 run every k-th call. Around it, the model's ``train_step`` (``core/train_function.train_step_synchronous``) takes the
 step's logs over the workers (``logs.over_workers``), concurrently with backprop. Called outside a model's training
 step (a custom training loop) in a job of several workers, ``apply_gradients`` is refused (``refuse_custom_loop``).
 """
@@ -30,7 +31,6 @@ from kparallax.step import accumulation
 from kparallax.step import clipping
 from kparallax.step import collectives
 from kparallax.step import global_losses
-from kparallax.step import gradient_transforms
 
 _TRACED = threading.local()
 
@@ -49,12 +49,14 @@ def resolve(optimizer):
 
 
 @contextlib.contextmanager
-def model_step(strategy):
+def model_step(strategy, seeded=None):
     """While a model's training step (Keras' ``train_step`` or the user's, from ``fit`` or ``train_on_batch``) is
-    traced under ``strategy``: optimizers applying gradients are part of it (``model_step_strategy``)."""
+    traced under ``strategy``: optimizers applying gradients are part of it (``model_step_strategy``). ``seeded``:
+    a context entered inside (the worker's own random seed)."""
     outer, _TRACED.strategy = getattr(_TRACED, "strategy", None), strategy
     try:
-        yield
+        with seeded or contextlib.nullcontext():
+            yield
     finally:
         _TRACED.strategy = outer
 
@@ -113,7 +115,7 @@ class Step:
         # runs (``sparse_to_move``); ``moves_sparse(variable)`` (the strategy's) says which may move.
         self.moves_sparse = None
         self.pending_moves = []
-        self.probing = False  # True while ``keras_hooks`` traces the first step to find them
+        self.probing = False  # True while ``core/train_function`` traces the first step to find them
         self.decided = False  # in that trace: none was found, so the step is built (and the optimizer with it)
         self._sent = None  # {"dense", "sparse"}: int64 variables, bytes this worker sent
 
@@ -143,18 +145,15 @@ class Step:
             return []
         return [v for g, v in grads_and_vars if isinstance(g, tf.IndexedSlices) and self.moves_sparse(v)]
 
-    def split(self, grads_and_vars, replayed=()):
-        """(replicated, PS) pairs of ``grads_and_vars`` with a gradient. ``replayed``: the variables whose
-        gradients a custom ``train_step`` transformed (``gradient_transforms``, set apart from ``grads_and_vars``),
-        counted in the architecture line logged at the first call."""
+    def split(self, grads_and_vars):
+        """(replicated, PS) pairs of ``grads_and_vars`` with a gradient; logs the architecture at the first call."""
         dense, ps = [], []
         for grad, variable in grads_and_vars:
             if grad is not None:
                 (ps if self.is_ps_variable(variable) else dense).append((grad, variable))
         if not self._logged:
             self._logged = True
-            replayed_on_ps = sum(1 for v in replayed if self.is_ps_variable(v))
-            on_ps, replicated = len(ps) + replayed_on_ps, len(dense) + len(replayed) - replayed_on_ps
+            on_ps, replicated = len(ps), len(dense)
             effective = self.options.architecture
             if effective == "hybrid" and not on_ps:
                 effective = "allreduce (the model has no PS variable)"
@@ -166,10 +165,9 @@ class Step:
                          self.options.compression)
         return dense, ps
 
-    def build(self, optimizer, dense, ps, apply_dense, replay=None):
+    def build(self, optimizer, dense, ps, apply_dense):
         """Builds one step for ``dense`` and ``ps`` (lists of (gradient, variable)); ``apply_dense`` applies the
-        averaged dense gradients with the user's optimizer, with those ``replay`` (a ``gradient_transforms.Replay``
-        or None) computes from averaged tape outputs. Returns the op Keras' step waits for."""
+        averaged dense gradients with the user's optimizer. Returns the op Keras' step waits for."""
         if self.options.sparse_as_dense and keras_compat.clipping(optimizer):
             sparse = [v.name for g, v in dense if isinstance(g, tf.IndexedSlices)]
             if sparse:
@@ -186,34 +184,22 @@ class Step:
                 "updates them on its own, so no norm over the whole step exists. Received: global_clipnorm="
                 f"{overall}, sync=False, {len(ps)} PS variable(s), e.g. {ps[0][1].name!r}. Use clipnorm (per "
                 "variable), or sync=True.")
-        replayed_dense, replayed_ps = [], []
-        if replay and not replay.on_ps:
-            # the same on every worker: a PS variable's is pushed whole by each, the PS averages it back
-            replayed = replay.run(self.num_workers, global_losses.gradient_share(), self.options.compression)
-            replayed_dense = [(g, v) for g, v in replayed if not self.is_ps_variable(v)]
-            replayed_ps = [(g, v) for g, v in replayed if self.is_ps_variable(v)]
         averaged = None
-        if dense or replayed_dense:
+        if dense:
             averaged = collectives.average_gradients(dense, self.num_workers, compression=self.options.compression,
                                                      sparse_as_dense=self.options.sparse_as_dense)
-            averaged = replay.merge(averaged, replayed_dense) if replay else averaged
         # With global_clipnorm and PS variables the PS path scales by the norm of the whole step, replicated
         # gradients included, and Keras applies the scaled ones without clipping them again (clipping by value
         # again changes nothing); without PS variables Keras' own clipping of the averaged gradients is one
         # process's.
         norm = {}
-        if overall and (ps or replayed_ps):  # clipped by value first where Keras does (legacy optimizers)
+        if overall and ps:  # clipped by value first where Keras does (legacy optimizers)
             bounds = [bound for kind, bound in keras_compat.clipping(optimizer) if kind == "value"]
             averaged = [(clipping.by_value(g, bounds), v) for g, v in averaged or []] or None
             norm = {"replicated_sum_of_squares": clipping.sum_of_squares([g for g, _ in averaged or []])}
-        if replay and replay.on_ps:  # the chief repeats it on the PS, from the sums of the workers' pushes
-            ps_step = self.ps_path.build(ps, replay=replay, **norm)
-        else:
-            ps = replay.merge(ps, replayed_ps) if replay else ps
-            ps_step = self.ps_path.build(ps, **norm) if ps else None
+        ps_step = self.ps_path.build(ps, **norm) if ps else None
         keep = list(ps_step.keep) if ps_step else []
-        counters = self._count_sent(dense + (replay.leaves() if replay and not replay.on_ps else []),
-                                    ps_step.sent_bytes if ps_step else tf.constant(0, tf.int64))
+        counters = self._count_sent(dense, ps_step.sent_bytes if ps_step else tf.constant(0, tf.int64))
         applied = None
         if averaged is not None:
             if ps_step is not None and ps_step.factor is not None:
@@ -238,7 +224,7 @@ def route(optimizer, step, grads_and_vars, apply_dense):
     grads_and_vars = list(grads_and_vars)
     moving = step.sparse_to_move(grads_and_vars)
     if moving and step.probing:
-        # This trace only finds them (``keras_hooks._make_train_function`` traces before the first step runs): they
+        # This trace only finds them (``core/train_function.make_train_function`` traces before the first step runs): they
         # move onto PS tasks, then the step is traced again. Nothing is built, so no optimizer slot is made for them.
         step.pending_moves = moving
         return optimizer.iterations.assign_add(0)
@@ -263,15 +249,10 @@ def route(optimizer, step, grads_and_vars, apply_dense):
     if on_ps and keras_compat.unclonable_reason(optimizer):
         raise ValueError(f"{keras_compat.unclonable_reason(optimizer)} Received: {type(optimizer).__name__} with "
                          f"{len(on_ps)} PS variable(s), e.g. {on_ps[0].name!r}.")
-    replay = gradient_transforms.plan(grads_and_vars, step.is_ps_variable, step.num_workers,
-                                      accumulating=step.accumulator is not None,
-                                      clipping=bool(keras_compat.clipping(optimizer)),
-                                      ps_averages=step.options.average_sparse, stripe_of=step.stripe_of)
-    dense, ps = step.split(global_losses.weighted(replay.local if replay else grads_and_vars,
-                                                  global_losses.gradient_share()), replay.variables if replay else ())
+    dense, ps = step.split(global_losses.weighted(grads_and_vars, global_losses.gradient_share()))
 
     def build(dense, ps):
-        return step.build(optimizer, dense, ps, apply_dense, replay)
+        return step.build(optimizer, dense, ps, apply_dense)
 
     if step.accumulator is not None:
         return step.accumulator.accumulate_then(dense + ps, lambda averaged: build(*step.split(averaged)))

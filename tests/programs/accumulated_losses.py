@@ -6,9 +6,8 @@ Usage: accumulated_losses.py OUT_DIR MODE
   MODE=kparallax: under kparallax-run (2 workers), batches of 16, backward_passes_per_step=2: each update averages
   2 micro-batches of 2 workers, 64 rows, as one process's batch.
 Writes OUT_DIR/<loss>.npz (weights, then the epochs' logged losses) from worker 0 (or the one process), for each
-loss: "mean" (Keras' default, the control), "sum" (reduction "sum"), "none" (reduction "none"), "scalar" (a user's
-function summing over the batch), "average" (a train_step averaging with tf.nn.compute_average_loss over a global
-batch size of 64, as tf.distribute's guides write one).
+loss: "mean" (Keras' default, the control), "sum" (reduction "sum"), "none" (reduction "none"), "average" (a
+train_step averaging with tf.nn.compute_average_loss, the worker's mean, as under Horovod).
 """
 
 import contextlib
@@ -22,13 +21,13 @@ VOCAB, EMB, LEN, ROWS, GLOBAL_BATCH = 120, 6, 5, 128, 64
 
 
 class AverageLossStep(tf.keras.Sequential):
-    """Its own train_step: squared errors averaged over tf.distribute's global batch size."""
+    """Its own train_step: squared errors averaged with tf.nn.compute_average_loss (the batch's mean)."""
 
     def train_step(self, data):
         ids, y = data
         with tf.GradientTape() as tape:
             per_example = tf.reduce_mean(tf.square(self(ids, training=True) - y), axis=1)
-            loss = tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+            loss = tf.nn.compute_average_loss(per_example)
         self.optimizer.apply_gradients(zip(tape.gradient(loss, self.trainable_variables), self.trainable_variables))
         return {"loss": loss}
 
@@ -37,7 +36,6 @@ LOSSES = {
     "mean": lambda: "mse",
     "sum": lambda: tf.keras.losses.MeanSquaredError(reduction="sum"),
     "none": lambda: tf.keras.losses.MeanSquaredError(reduction="none"),
-    "scalar": lambda: lambda y_true, y_pred: tf.reduce_sum(tf.square(y_pred - y_true)),
     "average": lambda: None,
 }
 

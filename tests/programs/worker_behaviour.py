@@ -26,7 +26,6 @@ import kparallax as kp
 
 try:
     strategy = kp.HybridStrategy(kp.Cluster.from_env(), sync=mode not in ("skew_steps_async", "async_two_optimizers"),
-                                 sync_batch_norm=mode != "batch_norm_per_worker",
                                  backward_passes_per_step=2 if mode == "clip_accumulated" else 1,
                                  partitions=3 if mode in ("bad_id_rank1", "chief_only_model_placed",
                                                           "some_stripes_clipped", "stripes_clipped_each") else 1)
@@ -355,7 +354,8 @@ if mode in ("batch_norm_global", "batch_norm_per_worker"):
     import numpy as np  # pylint: disable=import-outside-toplevel
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     with strategy.scope():
-        model = tf.keras.Sequential([tf.keras.Input((1,)), tf.keras.layers.BatchNormalization(momentum=0.0)])
+        model = tf.keras.Sequential([tf.keras.Input((1,)), tf.keras.layers.BatchNormalization(
+            momentum=0.0, synchronized=mode == "batch_norm_global")])
         model.compile(optimizer="sgd", loss="mse")
     model.fit(np.arange(8, dtype=np.float32)[:, None], np.zeros((8, 1)), batch_size=4, shuffle=False, verbose=0)
     print(f"moving mean {float(model.layers[0].moving_mean.numpy()[0]):.4f}", flush=True)
