@@ -10,6 +10,8 @@ import gc
 import json
 import logging
 import os
+import subprocess
+import sys
 import threading
 import weakref
 import zipfile
@@ -1591,18 +1593,30 @@ def test_backup_and_restore_into_a_wide_deep_model_not_built_is_refused_and_buil
 
 
 def test_checkpoints_that_would_miss_the_ps_side_optimizer_state_are_refused(strategy, tmp_path):
-    """tf.train.Checkpoint / tf.saved_model.save of a model with PS variables (they would hold model.optimizer
-    without the tables' slots) are refused with the fix; kparallax's savers and a model without PS variables are
-    not affected."""
+    """A tf.train.Checkpoint of a model with PS variables (it would hold model.optimizer without the tables' slots)
+    is refused with the fix; tf.saved_model.save, a serving export, writes the weights and loads in a plain process
+    (its output is the model's); a partitioned table there is refused, naming model.export; kparallax's savers and a
+    model without PS variables are not affected."""
     x, y = _data()
     model = _trained("fast_direct_checkpoint", lambda: tf.keras.optimizers.Adam(0.05),
                      strategy=kp.HybridStrategy(strategy.cluster, partitions=2))
     with pytest.raises(ValueError, match=r"would miss the optimizer state of its PS variables.*save_weights"):
         tf.train.Checkpoint(model=model).save(str(tmp_path / "direct" / "ckpt"))
-    with pytest.raises(ValueError, match="would miss the optimizer state of its PS variables"):
+    with pytest.raises(NotImplementedError, match="tf.saved_model.save cannot write kparallax's partitioned table"):
         tf.saved_model.save(model, str(tmp_path / "direct_saved_model"))
     model.save_weights(str(tmp_path / "weights" / "ckpt"))
     model.export(str(tmp_path / "exported"))
+    whole = _trained("fast_serving_export", lambda: tf.keras.optimizers.Adam(0.05), strategy=strategy)
+    tf.saved_model.save(whole, str(tmp_path / "serving"))
+    np.save(tmp_path / "x.npy", x[:8])
+    served = subprocess.run(
+        [sys.executable, "-c", "import sys, numpy as np, tensorflow as tf; "
+         "f = tf.saved_model.load(sys.argv[1]).signatures['serving_default']; "
+         "np.save(sys.argv[3], list(f(tf.constant(np.load(sys.argv[2]))).values())[0].numpy())",
+         str(tmp_path / "serving"), str(tmp_path / "x.npy"), str(tmp_path / "served.npy")],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert served.returncode == 0, served.stderr[-2000:]
+    np.testing.assert_allclose(np.load(tmp_path / "served.npy"), whole.predict(x[:8], verbose=0), rtol=1e-6)
     with strategy.scope():
         dense = tf.keras.Sequential([tf.keras.Input((LEN,)), tf.keras.layers.Dense(1)])
         dense.compile(optimizer="sgd", loss="mse")

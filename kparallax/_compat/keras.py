@@ -617,3 +617,14 @@ def worker_seed_generator(worker_index):
     finally:
         local.generator = original
 
+
+
+def backup_training_state(callback):
+    """The ``WorkerTrainingState`` of a ``BackupAndRestore`` callback (its private ``_training_state``, made in its
+    ``on_train_begin``)."""
+    return callback._training_state  # pylint: disable=protected-access
+
+
+def training_state_model(state):
+    """The model a ``WorkerTrainingState`` backs up (its private ``_model``)."""
+    return state._model  # pylint: disable=protected-access

@@ -55,7 +55,7 @@ def _on_train_begin(original, strategy, clones, callback, logs=None):
         with saving.whole_state(strategy, model, clones, restore=True), saving.plain_variables():
             original(callback, logs)  # Keras' WorkerTrainingState, then its restore
         collectives.eager_barrier(strategy.num_workers, name="kp_backup_restored")
-    state = callback._training_state  # pylint: disable=protected-access
+    state = keras_compat.backup_training_state(callback)
     if strategy.is_chief:
         state.back_up = types.MethodType(functools.partial(_back_up, type(state).back_up, strategy, clones), state)
     else:
@@ -77,6 +77,6 @@ def _backup_found(strategy, backup_dir):
 
 
 def _back_up(original, strategy, clones, state, epoch, batch=0):
-    model = state._model  # pylint: disable=protected-access
+    model = keras_compat.training_state_model(state)
     with saving.whole_state(strategy, model, clones):
         return original(state, epoch, batch)

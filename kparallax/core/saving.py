@@ -37,15 +37,15 @@ def plain_variables():
 
 
 def refuse_direct_tracking(optimizer, save_type):
-    """Raises unless a saver or loader of this module is running: a ``tf.train.Checkpoint`` or
-    ``tf.saved_model.save`` reaching kparallax's routing ``optimizer`` directly would hold the optimizer Keras
-    trains with but not the PS variables' slots (they live on the PS), and restoring it would leave them as they
-    are: training would go on off one process, silently."""
-    if getattr(_LOCAL, "whole", 0):
+    """Raises for a ``tf.train.Checkpoint`` reaching kparallax's routing ``optimizer`` directly (not through a saver
+    or loader of this module): it would hold the optimizer Keras trains with but not the PS variables' slots (they
+    live on the PS), and restoring it would leave them as they are. A SavedModel (``tf.saved_model.save``, a serving
+    export) is let through: it needs the weights, not the training state."""
+    if getattr(_LOCAL, "whole", 0) or "SAVEDMODEL" in str(save_type).upper():
         return
     raise ValueError(
-        "A tf.train.Checkpoint or tf.saved_model.save that holds a model compiled under HybridStrategy would miss "
-        "the optimizer state of its PS variables (it lives on the PS, not in model.optimizer). Received: a "
+        "A tf.train.Checkpoint that holds a model compiled under HybridStrategy would miss the optimizer state of its "
+        "PS variables (it lives on the PS, not in model.optimizer). Received: a "
         f"{save_type} of {type(optimizer).__name__} {optimizer.name!r}. Use model.save_weights(path) / "
         "model.load_weights(path) (TensorFlow format, the whole state as one process has it), model.save, "
         "strategy.load_model, or kparallax.checkpoint.")

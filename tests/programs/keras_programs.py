@@ -547,9 +547,9 @@ def mixed_float16_overflow(scope, batch):
     return model
 
 def batch_normalization(scope, batch):
-    """BatchNormalization on images (Keras' fused kernel), on a Dense layer's output, on a masked sequence of
-    embeddings, and one built with synchronized=True; inputs far from zero mean. One process normalizes the global
-    batch, so the workers must normalize with statistics over all of theirs (moving statistics included)."""
+    """BatchNormalization built with Keras' synchronized=True on images, on a Dense layer's output, on a masked
+    sequence of embeddings; inputs far from zero mean. One process normalizes the global batch; the synchronized
+    layers normalize with statistics over every worker's batch (moving statistics included)."""
     ids, rng = _ids(11)
     ids[::3, -2:] = 0  # padding for mask_zero
     images = (rng.normal(size=(ROWS, 6, 6, 2)) * 2.0 + 3.0).astype(np.float32)
@@ -558,12 +558,13 @@ def batch_normalization(scope, batch):
         image_in = tf.keras.Input((6, 6, 2), name="images")
         ids_in = tf.keras.Input((LEN,), dtype=tf.int32, name="ids")
         h = tf.keras.layers.Conv2D(4, 3, use_bias=False)(image_in)
-        h = tf.keras.layers.BatchNormalization(momentum=0.7)(h)
+        h = tf.keras.layers.BatchNormalization(momentum=0.7, synchronized=True)(h)
         h = tf.keras.layers.GlobalAveragePooling2D()(tf.keras.layers.ReLU()(h))
         e = tf.keras.layers.Embedding(VOCAB, EMB, mask_zero=True)(ids_in)
-        e = tf.keras.layers.GlobalAveragePooling1D()(tf.keras.layers.BatchNormalization(momentum=0.5)(e))
+        e = tf.keras.layers.GlobalAveragePooling1D()(
+            tf.keras.layers.BatchNormalization(momentum=0.5, synchronized=True)(e))
         h = tf.keras.layers.Dense(6, use_bias=False)(tf.keras.layers.Concatenate()([h, e]))
-        h = tf.keras.layers.BatchNormalization(momentum=0.8, center=False)(h)
+        h = tf.keras.layers.BatchNormalization(momentum=0.8, center=False, synchronized=True)(h)
         h = tf.keras.layers.BatchNormalization(synchronized=True, scale=False)(tf.keras.layers.ReLU()(h))
         model = tf.keras.Model({"images": image_in, "ids": ids_in}, tf.keras.layers.Dense(1)(h))
         _init(model)
@@ -1105,7 +1106,7 @@ def partial_last_batch_arrays(scope, batch):
     with scope():
         model = tf.keras.Sequential([tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB),
                                      tf.keras.layers.GlobalAveragePooling1D(), tf.keras.layers.Dense(4, use_bias=False),
-                                     tf.keras.layers.BatchNormalization(), tf.keras.layers.Dense(1)])
+                                     tf.keras.layers.BatchNormalization(synchronized=True), tf.keras.layers.Dense(1)])
         _init(model)
         model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="mse", metrics=["mae"])
         history = model.fit(ids[:rows], y[:rows], sample_weight=weights[:rows], batch_size=batch, epochs=2,
@@ -1130,7 +1131,7 @@ def odd_batch_count_dataset(scope, batch):
         ids_in, sparse_in = tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.Input((3,), sparse=True)
         x = tf.keras.layers.GlobalAveragePooling1D()(tf.keras.layers.Embedding(VOCAB, EMB)(ids_in))
         x = tf.keras.layers.Concatenate()([x, tf.keras.layers.Dense(3, use_bias=False)(sparse_in)])
-        x = tf.keras.layers.BatchNormalization()(tf.keras.layers.Dense(4, use_bias=False)(x))
+        x = tf.keras.layers.BatchNormalization(synchronized=True)(tf.keras.layers.Dense(4, use_bias=False)(x))
         model = tf.keras.Model([ids_in, sparse_in], tf.keras.layers.Dense(1)(x))
         _init(model)
         model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="mse", metrics=["mae"])
@@ -1196,9 +1197,9 @@ class OwnLossStep(tf.keras.Model):
         super().__init__()
         self.table = tf.keras.layers.Embedding(VOCAB, EMB)
         self.conv = tf.keras.layers.Conv2D(3, 2)
-        self.image_norm = tf.keras.layers.BatchNormalization()
+        self.image_norm = tf.keras.layers.BatchNormalization(synchronized=True)
         self.hidden = tf.keras.layers.Dense(6, activity_regularizer=tf.keras.regularizers.l2(0.05))
-        self.hidden_norm = tf.keras.layers.BatchNormalization()
+        self.hidden_norm = tf.keras.layers.BatchNormalization(synchronized=True)
         self.out = tf.keras.layers.Dense(1)
 
     def call(self, inputs, training=False):
@@ -1624,7 +1625,7 @@ def run_eagerly_dense(scope, batch):
     y = rng.normal(size=(ROWS, 1)).astype(np.float32)
     with scope():
         model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(8, activation="relu"),
-                                     tf.keras.layers.BatchNormalization(), tf.keras.layers.Dense(1), MeanOutput()])
+                                     tf.keras.layers.BatchNormalization(synchronized=True), tf.keras.layers.Dense(1), MeanOutput()])
         _init(model)
         model.compile(optimizer=tf.keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"], run_eagerly=True)
         history = model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
@@ -1999,7 +2000,7 @@ def layer_running_statistics(scope, batch):
         history = model.fit(ids[:ROWS - 11], y[:ROWS - 11], batch_size=batch, epochs=2, shuffle=False, verbose=0)
         on_read = tf.keras.Sequential([
             tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB),
-            tf.keras.layers.GlobalAveragePooling1D(), tf.keras.layers.BatchNormalization(), _RowsSeen(),
+            tf.keras.layers.GlobalAveragePooling1D(), tf.keras.layers.BatchNormalization(synchronized=True), _RowsSeen(),
             RunningStatistics(synchronization=tf.VariableSynchronization.ON_READ), tf.keras.layers.Dense(1)])
         _init(on_read)
         on_read.compile(optimizer=tf.keras.optimizers.SGD(0.05), loss="mse", metrics=["mae"])
@@ -2102,7 +2103,7 @@ def steps_per_execution_partial(scope, batch):
     with scope():
         model = tf.keras.Sequential([tf.keras.Input((LEN,), dtype=tf.int32), tf.keras.layers.Embedding(VOCAB, EMB),
                                      tf.keras.layers.GlobalAveragePooling1D(), tf.keras.layers.Dense(4, use_bias=False),
-                                     tf.keras.layers.BatchNormalization(),
+                                     tf.keras.layers.BatchNormalization(synchronized=True),
                                      tf.keras.layers.Dense(1, activation="sigmoid")])
         _init(model)
         model.compile(optimizer=tf.keras.optimizers.Adam(0.02), loss="binary_crossentropy",
@@ -2528,6 +2529,17 @@ ON_PS = ("clipped_gradients", "clipped_each", "mixed_float16_clipped", "batch_no
          "fine_tuning", "multi_output", "transformer_lm", "steps_per_execution_partial", "dlrm", "recomputed_block",
          "lookups_in_loops", "accumulated_by_hand")
 
+
+# Programs whose result follows the per-worker batch by the training contract (docs/training-contract.md): custom
+# train_steps transforming each worker's gradients before apply_gradients (a clip by a norm), loss and metric
+# functions returning one scalar for the batch, metrics fed one value per batch (add_metric, a loss tracker),
+# tf.nn.compute_average_loss over tf.distribute's global batch size, batches padded to their own longest row without
+# a mask (after the batch in the pipeline, or in the model). Under kparallax every worker writes its trainable weights (<name>.w<rank>.npz): the test asserts that the workers'
+# replicas agree and are finite. Every other program equals one process on the global batch.
+PER_WORKER = ("clipped_gradients", "clipped_by_tf_gradients", "clipped_with_table", "clipped_each", "clipped_each_row",
+              "mixed_float16_clipped", "clipped_two_optimizers", "scalar_loss_functions", "scalar_metric_functions",
+              "vectorized_after_batch", "padded_in_the_model", "tf_distribute_average_loss", "compiled_average_loss",
+              "added_metrics", "tracked_train_step")
 
 
 def in_order(names):

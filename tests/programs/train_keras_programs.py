@@ -1,6 +1,6 @@
 """Runs keras_programs in one plain process (MODE=reference, global batch) or under kparallax (MODE=kparallax,
 per-worker batch; under kparallax-run). Writes OUT_DIR/<program>.npz (weights, then any logged values) from worker
-0. SHARD ("i/n", default "0/1") runs part i of n of the programs (keras_programs.shard); "striped" runs
+0, and for keras_programs.PER_WORKER each worker's trainable weights (<program>.w<rank>.npz). SHARD ("i/n", default "0/1") runs part i of n of the programs (keras_programs.shard); "striped" runs
 keras_programs.STRIPED, under kparallax with every table in 3 stripes (partitions=3); "ps" runs keras_programs.ON_PS
 under architecture="ps" (every trainable variable on the PS); "searched:NAME" runs program
 NAME, under kparallax with partitions="auto" (max_partitions=8, auto_steps=1: 2, 4 and 8 stripes over its first 6
@@ -45,6 +45,8 @@ def main(out_dir, mode, part="0/1"):
         names = programs.shard(index, count)
     for name in names:
         model = programs.PROGRAMS[name](scope, batch)
+        if mode != "reference" and name in programs.PER_WORKER:  # every worker's replica (the contract's check)
+            np.savez(os.path.join(out_dir, f"{name}.w{programs.RANK}.npz"), *[v.numpy() for v in model.trainable_weights])
         if chief:
             # A program may name the weights it compares (not its metrics' variables, say).
             weights = model.compared_weights() if hasattr(model, "compared_weights") else model.get_weights()
