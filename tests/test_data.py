@@ -1,7 +1,5 @@
 import logging
-import os
 import re
-import tempfile
 import time
 
 import numpy as np
