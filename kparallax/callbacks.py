@@ -6,12 +6,12 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from kparallax._compat import keras as keras_compat
+from kparallax._compat import optimizers as optimizer_compat
 
 
 def _step(model):
     """The optimizer steps ``model`` has trained (of a compiled list of optimizers, the last one's)."""
-    return int(keras_compat.step_optimizer(model).iterations.numpy())
+    return int(optimizer_compat.step_optimizer(model).iterations.numpy())
 
 
 class Throughput(tf.keras.callbacks.Callback):
@@ -113,7 +113,7 @@ class LearningRateWarmup(tf.keras.callbacks.Callback):
         self._target, self._steps = float(target), int(warmup_steps)
 
     def on_train_begin(self, logs=None):
-        if keras_compat.optimizer_list(self.model.optimizer) is not None:
+        if optimizer_compat.optimizer_list(self.model.optimizer) is not None:
             raise ValueError(
                 "LearningRateWarmup warms up one optimizer, but the model was compiled with a list of them. Received: "
                 f"optimizer={[type(o).__name__ for o in self.model.optimizer]}. Give each optimizer a "
@@ -160,7 +160,7 @@ class TensorBoardScalars(tf.keras.callbacks.Callback):
             for key, value in (logs or {}).items():
                 if isinstance(value, (int, float, np.number)):
                     tf.summary.scalar(key, float(value))
-            listed = keras_compat.optimizer_list(self.model.optimizer)  # compile(optimizer=[...]): each one's
+            listed = optimizer_compat.optimizer_list(self.model.optimizer)  # compile(optimizer=[...]): each one's
             rates = ([("learning_rate", self.model.optimizer)] if listed is None else
                      [(f"learning_rate/{index}", optimizer) for index, optimizer in enumerate(listed)])
             for name, optimizer in rates:

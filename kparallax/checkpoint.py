@@ -25,7 +25,7 @@ import numpy as np
 import tensorflow as tf
 from kparallax import log as logging
 
-from kparallax._compat import keras as keras_compat
+from kparallax._compat import optimizers as optimizer_compat
 from kparallax._compat import striped
 from kparallax._compat import tf as tf_compat
 from kparallax.core import model_state
@@ -88,8 +88,8 @@ def save(strategy, model, directory, extra=None, keep=3, metric_states=None):
     step = int(model.optimizer.iterations.numpy())
     weights = model.get_weights()  # each table read once, whole
     arrays = {f"weight_{i}": w for i, w in enumerate(weights)}
-    keras_compat.build_optimizer(model.optimizer, _dense_variables(strategy, model))  # idempotent; as training builds it
-    dense_state = keras_compat.optimizer_variables(model.optimizer)
+    optimizer_compat.build_optimizer(model.optimizer, _dense_variables(strategy, model))  # idempotent; as training builds it
+    dense_state = optimizer_compat.optimizer_variables(model.optimizer)
     arrays.update({f"dense_optimizer_{j}": v.numpy() for j, v in enumerate(dense_state)})
     tables = []
     for path, shards in _ps_groups(strategy, model):
@@ -185,8 +185,8 @@ def restore(strategy, model, path, continue_fit=False):
                if strategy.is_chief or not all(strategy.is_ps_variable(v) for v in variables)]
     optimizer_state = []
     if meta["dense_optimizer_variables"]:
-        keras_compat.build_optimizer(model.optimizer, _dense_variables(strategy, model))
-        optimizer_state = keras_compat.optimizer_variables(model.optimizer)
+        optimizer_compat.build_optimizer(model.optimizer, _dense_variables(strategy, model))
+        optimizer_state = optimizer_compat.optimizer_variables(model.optimizer)
         if len(optimizer_state) != meta["dense_optimizer_variables"]:
             raise ValueError(f"Checkpoint {path} holds {meta['dense_optimizer_variables']} optimizer variables, "
                              f"the optimizer has {len(optimizer_state)}: another optimizer? Received: {path}.")

@@ -22,7 +22,7 @@ import tensorflow as tf
 from tensorflow.python.eager import context as tf_context
 
 import kparallax as kp
-from kparallax._compat import keras as keras_compat
+from kparallax._compat import optimizers as optimizer_compat
 from kparallax.cluster import net
 from kparallax.step import ps_sync
 from programs.keras_programs import WarmUp  # a schedule class as TensorFlow's transformer tutorial writes one
@@ -1157,8 +1157,8 @@ def test_recompiling_with_the_same_optimizer_keeps_its_state(strategy, again):
     assert int(model.optimizer.iterations) == int(plain.optimizer.iterations) == 12
     # Keras' LossScaleOptimizer builds its inner optimizer over every variable: no slots of PS variables there
     # (they live in the PS-side clones; before, each worker made dead copies of them on the PS).
-    on_ps = [v.name for v in keras_compat.optimizer_variables(model.optimizer) if "/job:ps/" in v.device]
-    assert on_ps == [] and len(keras_compat.optimizer_variables(model.optimizer)) == 1 + 2 * 2, on_ps
+    on_ps = [v.name for v in optimizer_compat.optimizer_variables(model.optimizer) if "/job:ps/" in v.device]
+    assert on_ps == [] and len(optimizer_compat.optimizer_variables(model.optimizer)) == 1 + 2 * 2, on_ps
     for got, want in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
@@ -1255,8 +1255,8 @@ def test_mixed_precision_recompile_keeps_the_optimizer(strategy):
     assert int(model.optimizer.iterations) == int(plain.optimizer.iterations) == 12
     # Keras' LossScaleOptimizer builds its inner optimizer over every variable: no slots of PS variables there
     # (they live in the PS-side clones; before, each worker made dead copies of them on the PS).
-    on_ps = [v.name for v in keras_compat.optimizer_variables(model.optimizer) if "/job:ps/" in v.device]
-    assert on_ps == [] and len(keras_compat.optimizer_variables(model.optimizer)) == 1 + 2 * 2, on_ps
+    on_ps = [v.name for v in optimizer_compat.optimizer_variables(model.optimizer) if "/job:ps/" in v.device]
+    assert on_ps == [] and len(optimizer_compat.optimizer_variables(model.optimizer)) == 1 + 2 * 2, on_ps
     for got, want in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
@@ -1350,8 +1350,8 @@ def _trained(name, make_optimizer, batch=16, strategy=None):
 
 def _optimizer_state(model):
     optimizer = model.optimizer
-    keras_compat.build_optimizer(getattr(optimizer, "inner_optimizer", optimizer), model.trainable_variables)
-    return [v.numpy() for v in keras_compat.optimizer_variables(optimizer)]
+    optimizer_compat.build_optimizer(getattr(optimizer, "inner_optimizer", optimizer), model.trainable_variables)
+    return [v.numpy() for v in optimizer_compat.optimizer_variables(optimizer)]
 
 
 @pytest.mark.parametrize("name", sorted(SAVED))
@@ -1519,7 +1519,7 @@ class _InterruptAtStep(tf.keras.callbacks.Callback):
         self._step = step
 
     def on_train_batch_begin(self, batch, logs=None):
-        if int(keras_compat.step_optimizer(self.model).iterations) == self._step:  # of a list: the last one's
+        if int(optimizer_compat.step_optimizer(self.model).iterations) == self._step:  # of a list: the last one's
             raise _Interrupted()
 
 
@@ -1586,7 +1586,7 @@ def test_backup_and_restore_into_a_wide_deep_model_not_built_is_refused_and_buil
     got = interrupted_then_resumed("fast_wide_deep_backup", strategy.scope)
     assert strategy.is_ps_variable(got.dnn_model.layers[0].embeddings)
     for optimizer in (got.optimizer, want.optimizer):
-        assert [int(o.iterations) for o in keras_compat.optimizer_list(optimizer) or [optimizer]] == [24] * (
+        assert [int(o.iterations) for o in optimizer_compat.optimizer_list(optimizer) or [optimizer]] == [24] * (
             1 if optimizers == "one" else 2)
     for a, b in zip(got.get_weights(), want.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

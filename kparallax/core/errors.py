@@ -9,7 +9,7 @@ import re
 import tensorflow as tf
 
 from kparallax import log
-from kparallax._compat import keras as keras_compat
+from kparallax._compat import optimizers as optimizer_compat
 from kparallax._compat import striped
 from kparallax.step import collectives
 
@@ -38,7 +38,7 @@ def explained(error, model):
     collective that ended because another worker stopped."""
     text = str(error)
     if collectives.STEP_SKEW_MESSAGE in text:
-        return collectives.step_skew_error(keras_compat.step_optimizer(model).iterations.numpy())
+        return collectives.step_skew_error(optimizer_compat.step_optimizer(model).iterations.numpy())
     match = _OUT_OF_RANGE.search(text)
     if match:
         return _id_error(match.group(1), match.group(2))

@@ -13,6 +13,7 @@ import zlib
 import tensorflow as tf
 
 from kparallax._compat import keras as keras_compat
+from kparallax._compat import optimizers as optimizer_compat
 from kparallax._compat import tf as tf_compat
 from kparallax.core import ps_writes
 from kparallax.core import shared_variables
@@ -152,7 +153,7 @@ class AverageMetrics(tf.keras.callbacks.Callback):
 
     def _over_workers(self, logs, metrics, tag):
         # A failed step check raises InvalidArgumentError here; ``fit`` (errors.explained) says it plainly.
-        merged = logs_lib.over_workers(dict(logs), metrics, keras_compat.step_optimizer(self.model).iterations.numpy(),
+        merged = logs_lib.over_workers(dict(logs), metrics, optimizer_compat.step_optimizer(self.model).iterations.numpy(),
                                        self._strategy.num_workers, name=f"kp_metrics_{tag}",
                                        worker_index=self._strategy.worker_index)
         # As Keras gives a log: a number, or an array for a metric's non-scalar result (F1Score's per class).

@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from kparallax import callbacks as kp_callbacks
 from kparallax._compat import keras as keras_compat
+from kparallax._compat import optimizers as optimizer_compat
 from kparallax.core import backup
 from kparallax.core import data as data_lib
 from kparallax.core import errors
@@ -34,7 +35,7 @@ def fit(original, model, *args, **kwargs):
     model_state.check_fixed_steps_per_execution(strategy, getattr(model, "autotune_steps_per_execution", False),
                                      "model.autotune_steps_per_execution=True")
     # A model built by its first call: now it has its variables.
-    model_state.guard_tracking(strategy, model, keras_compat.step_optimizer(model))
+    model_state.guard_tracking(strategy, model, optimizer_compat.step_optimizer(model))
     bound = inspect.signature(original).bind(model, *args, **kwargs)
     bound.apply_defaults()
     a = bound.arguments
@@ -174,7 +175,7 @@ def train_on_batch(original, model, *args, **kwargs):
     are compared over the workers, as ``fit`` does after its first step."""
     state = model_state.compiled(model)
     strategy = state.strategy
-    model_state.guard_tracking(strategy, model, keras_compat.step_optimizer(model))
+    model_state.guard_tracking(strategy, model, optimizer_compat.step_optimizer(model))
     written = strategy.num_workers > 1 and ps_writes.take_written(strategy)
     stale = collectives.any_worker(not state.on_batch_synced or written, strategy.num_workers, name="kp_weights_set")
     if stale:

@@ -16,6 +16,7 @@ import os
 import re
 
 from kparallax._compat import keras as keras_compat
+from kparallax._compat import optimizers as optimizer_compat
 from kparallax.core import fitting
 from kparallax.core import layer_weights
 from kparallax.core import model_state
@@ -64,7 +65,7 @@ def _only_owned_optimizers_in_jobs(original):
 
     @functools.wraps(original)
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
-        if keras_compat.is_owned(self):
+        if optimizer_compat.is_owned(self):
             return original(self, grads_and_vars, *args, **kwargs)
         strategy = train_step.model_step_strategy()
         if strategy is not None and strategy.options.sync:
@@ -134,7 +135,7 @@ def _compile(model, *args, **kwargs):
                                      "steps_per_execution='auto'")
     if strategy.options.sync and strategy.num_workers > 1:
         batch_norm.check(model, strategy.num_workers)
-    listed = keras_compat.optimizer_list(bound.arguments["optimizer"])
+    listed = optimizer_compat.optimizer_list(bound.arguments["optimizer"])
     if listed is not None:
         _check_optimizer_list(strategy, model, listed)
     optimizer, step, clones = strategy.make_optimizer(bound.arguments["optimizer"] if listed is None else listed[-1])
@@ -160,8 +161,8 @@ def _compile(model, *args, **kwargs):
     result = original(*bound.args, **bound.kwargs)
     if strategy.options.sync:
         global_losses.install(model)
-    if keras_compat.is_loss_scale_optimizer(model.optimizer):  # also async: replicated gradients are allreduced
-        keras_compat.skip_steps_together(model.optimizer, functools.partial(
+    if optimizer_compat.is_loss_scale_optimizer(model.optimizer):  # also async: replicated gradients are allreduced
+        optimizer_compat.skip_steps_together(model.optimizer, functools.partial(
             collectives.any_worker_in_graph, num_workers=strategy.num_workers, name="kp_loss_scale_overflow"))
     return result
 
@@ -186,7 +187,7 @@ def _check_optimizer_list(strategy, model, optimizers):
             f"A list of optimizers is not supported with sync=False: asynchronous training shares only one "
             f"optimizer's updates, through the PS. Received: optimizer={names} with sync=False. Train with "
             "sync=True, or pass one optimizer.")
-    if any(keras_compat.is_loss_scale_optimizer(o) for o in optimizers) or model.dtype_policy.name == "mixed_float16":
+    if any(optimizer_compat.is_loss_scale_optimizer(o) for o in optimizers) or model.dtype_policy.name == "mixed_float16":
         raise ValueError(
             "A list of optimizers with loss scaling (the mixed_float16 policy, or a LossScaleOptimizer in the list) "
             f"is not supported under HybridStrategy. Received: optimizer={names} for model {model.name!r} with "

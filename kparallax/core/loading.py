@@ -10,7 +10,7 @@ state is handed over: weights through ``set_weights`` (tables whole), the optimi
 
 import tensorflow as tf
 
-from kparallax._compat import keras as keras_compat
+from kparallax._compat import optimizers as optimizer_compat
 from kparallax.core import model_state
 from kparallax.core import saved_optimizer
 from kparallax.core import saving
@@ -41,15 +41,15 @@ def load_model(strategy, filepath, custom_objects=None, compile=True):  # pylint
             f"Received: a {type(model).__name__} without weights. Build it inside the scope and use load_weights.")
     model.set_weights(plain.get_weights())
     compiled = model_state.compiled(model)
-    listed = keras_compat.optimizer_list(plain.optimizer)
+    listed = optimizer_compat.optimizer_list(plain.optimizer)
     # Keras 2.15's .keras loader restores no state into a list of optimizers: then both start fresh.
     fresh_list = listed is not None and not any(int(o.iterations.numpy()) for o in listed)
     if compiled is not None and plain.optimizer is not None and not fresh_list:
         saving.refuse_optimizer_list(model, f"strategy.load_model({filepath!r}) with the optimizer state",
                                      keras_savers=False)
         source = plain.optimizer
-        inner = source.inner_optimizer if keras_compat.is_loss_scale_optimizer(source) else source
-        keras_compat.build_optimizer(inner, plain.trainable_variables)  # idempotent; restores a SavedModel's state
+        inner = source.inner_optimizer if optimizer_compat.is_loss_scale_optimizer(source) else source
+        optimizer_compat.build_optimizer(inner, plain.trainable_variables)  # idempotent; restores a SavedModel's state
         with saving.whole_state(strategy, model, compiled.clones, restore=True):
             saved_optimizer.copy_state(source, model.optimizer, filepath)  # here the plain optimizer
     collectives.eager_barrier(strategy.num_workers, name="kp_model_loaded")

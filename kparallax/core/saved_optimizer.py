@@ -22,7 +22,7 @@ import contextlib
 
 import tensorflow as tf
 
-from kparallax._compat import keras as keras_compat
+from kparallax._compat import optimizers as optimizer_compat
 from kparallax.core import tables
 from kparallax.step import train_step
 
@@ -53,10 +53,10 @@ def plain_optimizer(strategy, model, clones, wholes, trained=None, variables=Non
     """
     trained = model.optimizer if trained is None else trained
     variables = list(model.trainable_variables if variables is None else variables)
-    if keras_compat.is_loss_scale_optimizer(trained):
-        plain = keras_compat.copy_loss_scale_optimizer(trained, _fresh(trained.inner_optimizer))
+    if optimizer_compat.is_loss_scale_optimizer(trained):
+        plain = optimizer_compat.copy_loss_scale_optimizer(trained, _fresh(trained.inner_optimizer))
         layout = _Correspondence(strategy, variables, wholes, trained.inner_optimizer, plain.inner_optimizer)
-        keras_compat.copy_loss_scale(trained, plain)
+        optimizer_compat.copy_loss_scale(trained, plain)
     else:
         plain = _fresh(trained)
         layout = _Correspondence(strategy, variables, wholes, trained, plain)
@@ -64,8 +64,8 @@ def plain_optimizer(strategy, model, clones, wholes, trained=None, variables=Non
 
     def load_back():
         layout.write(clones, strategy.is_chief)
-        if keras_compat.is_loss_scale_optimizer(trained):
-            keras_compat.copy_loss_scale(plain, trained)
+        if optimizer_compat.is_loss_scale_optimizer(trained):
+            optimizer_compat.copy_loss_scale(plain, trained)
 
     return plain, load_back
 
@@ -73,15 +73,15 @@ def plain_optimizer(strategy, model, clones, wholes, trained=None, variables=Non
 def copy_state(source, target, origin):
     """Assigns the state of the optimizer ``source`` (loaded by Keras) to ``target`` (the same class and config, built
     over the same variables in the same order; a ``LossScaleOptimizer``: its inner optimizer and loss scale)."""
-    if keras_compat.is_loss_scale_optimizer(source) != keras_compat.is_loss_scale_optimizer(target):
+    if optimizer_compat.is_loss_scale_optimizer(source) != optimizer_compat.is_loss_scale_optimizer(target):
         raise ValueError(
             f"The optimizer of {origin!r} and the one compiled from its config differ. Received: "
             f"{type(source).__name__} and {type(target).__name__}.")
-    if keras_compat.is_loss_scale_optimizer(source):
-        keras_compat.copy_loss_scale(source, target)
+    if optimizer_compat.is_loss_scale_optimizer(source):
+        optimizer_compat.copy_loss_scale(source, target)
         source, target = source.inner_optimizer, target.inner_optimizer
-    values = keras_compat.optimizer_variables(source)
-    variables = keras_compat.optimizer_variables(target)
+    values = optimizer_compat.optimizer_variables(source)
+    variables = optimizer_compat.optimizer_variables(target)
     if [tuple(v.shape) for v in values] != [tuple(v.shape) for v in variables]:
         raise ValueError(
             f"The optimizer state of {origin!r} does not fit its model: was the file written for another model? "
@@ -100,22 +100,22 @@ class _Correspondence:
         saved_whole = {whole.ref() for whole, _ in self._groups}
         # The variables ``trained`` holds slots for, in model order: the replicated ones, and any that moved onto a
         # PS task after it was built over them (their slots there are stale, the clones hold their state).
-        dense = [v for v in variables if v.ref() not in saved_whole or keras_compat.holds_slots(trained, v)]
-        keras_compat.build_optimizer(trained, dense)  # idempotent; as training builds it
+        dense = [v for v in variables if v.ref() not in saved_whole or optimizer_compat.holds_slots(trained, v)]
+        optimizer_compat.build_optimizer(trained, dense)  # idempotent; as training builds it
         target_slots, target_others = _build_recorded(plain, variables)
         index_of = {v.ref(): i for i, v in enumerate(variables)}
-        self._plain = keras_compat.optimizer_variables(plain)
-        self._trained = keras_compat.optimizer_variables(trained)
+        self._plain = optimizer_compat.optimizer_variables(plain)
+        self._trained = optimizer_compat.optimizer_variables(trained)
 
         probe = _fresh(trained)
         probe_slots, probe_others = _build_recorded(probe, [_stand_in(v) for v in dense])
-        if (len(keras_compat.optimizer_variables(probe)) != len(self._trained)
+        if (len(optimizer_compat.optimizer_variables(probe)) != len(self._trained)
                 or len(probe_others) != len(target_others)):
             raise ValueError(
                 "kparallax cannot save or load this optimizer's state with the model: its variables do not follow "
                 f"the layout of a plain {type(plain).__name__}. Received: {len(self._trained)} trained optimizer "
                 f"variable(s) for {len(dense)} replicated variable(s), where a plain copy has "
-                f"{len(keras_compat.optimizer_variables(probe))}. Save with include_optimizer=False, or use "
+                f"{len(optimizer_compat.optimizer_variables(probe))}. Save with include_optimizer=False, or use "
                 "kparallax.checkpoint to resume training.")
         self._dense = list(zip(target_others, probe_others))  # (plain index, trained index)
         for position, variable in enumerate(dense):
@@ -127,7 +127,7 @@ class _Correspondence:
             probe_slots, probe_others = _build_recorded(probe, [_stand_in(whole)])
             self._clone_layouts.append((list(zip(target_slots.get(index_of[whole.ref()], []), probe_slots.get(0, []))),
                                         list(zip(target_others, probe_others)),
-                                        len(keras_compat.optimizer_variables(probe))))
+                                        len(optimizer_compat.optimizer_variables(probe))))
 
     def read(self, clones):
         """plain <- the trained optimizer and the clones (the slots of a PS variable never updated keep their
@@ -147,7 +147,7 @@ class _Correspondence:
         if not chief:
             return
         for (_, shards), (slots, others, count) in zip(self._groups, self._clone_layouts):
-            states = [keras_compat.optimizer_variables(clones.get(shard)) for shard in shards]
+            states = [optimizer_compat.optimizer_variables(clones.get(shard)) for shard in shards]
             joined = [None] * count
             for target, source in slots + others:
                 joined[source] = self._plain[target].numpy()
@@ -161,7 +161,7 @@ class _Correspondence:
 
 def _fresh(optimizer):
     """A new optimizer of ``optimizer``'s plain class (not kparallax's routing class) and config."""
-    return keras_compat.copy_optimizer(optimizer, train_step.plain_class(optimizer))
+    return optimizer_compat.copy_optimizer(optimizer, train_step.plain_class(optimizer))
 
 
 def _stand_in(variable):
@@ -189,11 +189,11 @@ def _build_recorded(optimizer, variables):
     [indices of the variables that belong to no model variable]), indices into ``optimizer_variables(optimizer)``."""
     made = []
     with _recording(optimizer, made):
-        keras_compat.build_optimizer(optimizer, variables)
+        optimizer_compat.build_optimizer(optimizer, variables)
     owner = {id(slot): reference for slot, reference in made}
     position = {v.ref(): i for i, v in enumerate(variables)}
     slots, others = {}, []
-    for index, variable in enumerate(keras_compat.optimizer_variables(optimizer)):
+    for index, variable in enumerate(optimizer_compat.optimizer_variables(optimizer)):
         reference = owner.get(id(variable))
         if reference is None:
             others.append(index)
@@ -205,7 +205,7 @@ def _build_recorded(optimizer, variables):
 @contextlib.contextmanager
 def _recording(optimizer, made):
     """Inside: every slot ``optimizer`` creates is appended to ``made`` as (slot, model variable)."""
-    if keras_compat.optimizer_family(optimizer) == "new":
+    if optimizer_compat.optimizer_family(optimizer) == "new":
         name, keyword = "add_variable_from_reference", "model_variable"
     else:
         name, keyword = "add_slot", "var"

@@ -15,6 +15,7 @@ import threading
 import tensorflow as tf
 
 from kparallax._compat import keras as keras_compat
+from kparallax._compat import optimizers as optimizer_compat
 from kparallax._compat import tf as tf_compat
 from kparallax.core import saved_optimizer
 
@@ -54,11 +55,11 @@ def refuse_direct_tracking(optimizer, save_type):
 def refuse_optimizer_list(model, received, keras_savers=True):
     """Raises for ``received`` (what would save or load the optimizer state) of a model compiled with a list of
     optimizers. Keras' savers and loaders (``keras_savers``) take such a list where kparallax can tell the variables
-    of the last one (``keras_compat.step_optimizer_variables``: Keras' ``WideDeepModel``'s): that one, which updates
+    of the last one (``optimizer_compat.step_optimizer_variables``: Keras' ``WideDeepModel``'s): that one, which updates
     the PS variables, is written as one process has it, its slots joined from the PS; kparallax's own checkpoints and
     ``strategy.load_model``'s optimizer state never take a list. The weights save and load either way."""
-    listed = keras_compat.optimizer_list(model.optimizer)
-    if listed is None or (keras_savers and keras_compat.knows_listed_variables(model)):
+    listed = optimizer_compat.optimizer_list(model.optimizer)
+    if listed is None or (keras_savers and optimizer_compat.knows_listed_variables(model)):
         return
     names = [type(o).__name__ for o in listed]  # a routing optimizer has its class's name
     supported = ("Keras' savers support it for Keras' WideDeepModel only, whose train_step says which variables each "
@@ -124,13 +125,13 @@ def whole_state(strategy, model, clones, restore=False):
     refuse_optimizer_list(model, "a save or load of the whole training state")
     with whole_tables(strategy, model) as wholes:
         trained = model.optimizer
-        listed = keras_compat.optimizer_list(trained)
+        listed = optimizer_compat.optimizer_list(trained)
         with plain_variables():  # the plain optimizer's slots are local, as in one process, even inside the scope
             if listed is None:
                 model.optimizer, load_back = saved_optimizer.plain_optimizer(strategy, model, clones, wholes)
             else:  # the last one routes, the others are the user's own: Keras saves and loads them as they are
                 plain, load_back = saved_optimizer.plain_optimizer(
-                    strategy, model, clones, wholes, listed[-1], keras_compat.step_optimizer_variables(model))
+                    strategy, model, clones, wholes, listed[-1], optimizer_compat.step_optimizer_variables(model))
                 model.optimizer = [*listed[:-1], plain]
         try:
             yield

@@ -7,7 +7,6 @@ partitioned ones); ``keras_hooks`` binds Keras' ``compile``/``fit`` of the model
 """
 
 import contextlib
-import weakref
 from typing import Mapping, Optional, Union
 
 import horovod.tensorflow as hvd
@@ -15,7 +14,6 @@ import tensorflow as tf
 from kparallax import log as logging
 
 from kparallax._compat import keras as keras_compat
-from kparallax._compat import striped
 from kparallax._compat import tf as tf_compat
 from kparallax.cluster import Cluster
 from kparallax.cluster import runtime
@@ -23,6 +21,7 @@ from kparallax.core import keras_hooks
 from kparallax.core import layer_weights
 from kparallax.core import model_state
 from kparallax.core import loading
+from kparallax.core import optimizer_steps
 from kparallax.core import options as options_lib
 from kparallax.core import partition_search
 from kparallax.core import placement as placement_lib
@@ -32,12 +31,8 @@ from kparallax.core import saving
 from kparallax.core import shared_variables
 from kparallax.core import tables
 from kparallax.step import cached_reads
-from kparallax.step import clones as clones_lib
 from kparallax.step import collectives
-from kparallax.step import local_aggregation
-from kparallax.step import ps_async
 from kparallax.step import ps_sync
-from kparallax.step import train_step
 
 
 # tf.distribute.Strategy's names that a program ported from tf.distribute looks for, with kparallax's way.
@@ -126,8 +121,7 @@ class HybridStrategy:
                                                      init_timeout=init_timeout)
         self._registry = registry_lib.Registry(store)
         self._tables = []        # partitioned tables under partitions="auto" (tables.Table)
-        self._clones = []        # the PS-side optimizer state of every compiled model
-        self._optimizers = []    # (routing optimizer, weakref to the user's, Step, Clones) per optimizer instance
+        self._steps = optimizer_steps.OptimizerSteps(self)  # every compiled model's routing optimizer and step
         self._search = partition_search.new_state()
         logging.info("kparallax: %d worker(s), %d PS task(s), %s", hvd.size(), cluster.num_ps, self._options)
         keras_hooks.install(self)
@@ -274,7 +268,7 @@ class HybridStrategy:
             return variable
         tables.check_constraint(path, constraint, shape.rank)
         table = tables.Table(path, tuple(shape.as_list()), tf.as_dtype(dtype), [], None)
-        self._create_shards(table, decision.rows, decision.ps_tasks, _whole_value(initial_value, dtype),
+        tables.create_shards(self._registry, self._cluster, table, decision.rows, decision.ps_tasks, tables.whole_value(initial_value, dtype),
                             trainable, constraint)
         if decision.auto:
             self._tables.append(table)
@@ -282,21 +276,6 @@ class HybridStrategy:
                      len(decision.rows), list(decision.rows), list(decision.ps_tasks), decision.why,
                      ", partitions='auto' search" if decision.auto else "")
         return table.sharded
-
-    def _create_shards(self, table, rows, ps_tasks, whole_value, trainable, constraint):
-        shards = []
-        row_shape = list(table.shape[1:])
-        made_on = self._cluster.ps_device(ps_tasks[0])  # the first stripe's creation evaluates the whole value there
-        for i, (count, task) in enumerate(zip(rows, ps_tasks)):
-            shard_path = f"{table.path}/part_{i}_of_{len(rows)}"
-            if table.generation:
-                shard_path += f"_g{table.generation}"
-            initial = lambda i=i: _stripe_where_made(whole_value(), i, len(rows), made_on)  # noqa: E731
-            shards.append(self._registry.create(shard_path, [count] + row_shape, table.dtype, initial, task,
-                                                trainable=trainable, constraint=constraint, table=table, shard=i))
-            shards[-1].read_policy = cached_reads.policy
-            shards[-1].gather_policy = cached_reads.gather_policy
-        table.shards, table.sharded = shards, tables.make_sharded(table.path, shards)
 
     def repartition(self, table, partitions, model):
         """Re-splits partitioned ``table`` into ``partitions`` shards; values and optimizer state carry over.
@@ -313,10 +292,10 @@ class HybridStrategy:
         first = self._registry.entry(old_shards[0]).task
         tasks = [(first + i) % self._cluster.num_ps for i in range(partitions)]
         table.generation += 1
-        whole = _whole_value(old_sharded.whole, table.dtype)
-        self._create_shards(table, rows, tasks, whole, old_shards[0].trainable, old_shards[0].constraint)
+        whole = tables.whole_value(old_sharded.whole, table.dtype)
+        tables.create_shards(self._registry, self._cluster, table, rows, tasks, whole, old_shards[0].trainable, old_shards[0].constraint)
         if self.is_chief:
-            for clones in self._clones:
+            for clones in self._steps.clones:
                 clones.move_state(old_shards, table.shards)
         keras_compat.replace_weights(model, old_shards, old_sharded, table.shards, table.sharded)
         keras_compat.reset_train_function(model)
@@ -379,85 +358,10 @@ class HybridStrategy:
 
     # Used by keras_hooks --------------------------------------------------------------------------------
     def make_optimizer(self, optimizer):
-        """Returns (the optimizer to compile with, its ``Step``, its ``Clones``) for ``optimizer`` (a string or
-        instance); the first is the routing optimizer (``train_step.wrap``).
-
-        An optimizer instance compiled before in this strategy (the user's, or the one a model holds, as in
-        ``model.compile(optimizer=model.optimizer, ...)``: the routing optimizer, or under mixed precision Keras'
-        ``LossScaleOptimizer`` around it, returned as it is) gets the same back: as in one process, its step count,
-        slots and PS-side state carry over to the new compile. A ``LossScaleOptimizer`` of the user's gives one of
-        the same class and loss-scale settings around the routing optimizer of its inner one (Keras keeps it as it
-        is, as it keeps the user's in one process).
-        """
-        inner = getattr(optimizer, "inner_optimizer", None)
-        for made in ([] if isinstance(optimizer, str) else self._optimizers):
-            if inner is made[0]:  # model.optimizer under mixed precision: Keras' LossScaleOptimizer around ours
-                return optimizer, made[2], made[3]
-            if optimizer is made[0] or optimizer is made[1]():
-                return made[0], made[2], made[3]
-        source, loss_scale = optimizer, None
-        if keras_compat.is_loss_scale_optimizer(optimizer):  # the user's own: ours goes inside it
-            loss_scale, optimizer = optimizer, optimizer.inner_optimizer
-        optimizer = train_step.resolve(optimizer)
-        sync = self._options.sync
-        clones = clones_lib.Clones(self._registry, optimizer, namespace=f"kp_optimizer_{len(self._clones)}",
-                                   clip=not sync)
-        if sync:
-            local_set = None
-            aggregate = self._options.local_aggregation
-            if aggregate == "auto":
-                aggregate = not runtime.job_on_one_host(self._cluster)
-            if aggregate and self.num_workers > 1 and self._cluster.ps:
-                local_set = runtime.local_process_set()
-            pushers = len(runtime.host_groups(self._cluster)) if local_set is not None else self.num_workers
-            ps_path = ps_sync.SyncPs(self._registry, clones, self.num_workers, self.is_chief,
-                                     self._options.average_sparse, local_aggregation.LocalAggregation(local_set),
-                                     pushers, keras_compat.clipping(optimizer))
-        else:
-            ps_path = ps_async.AsyncPs(self._registry, clones)
-        step = train_step.Step(self._options, self.num_workers, self.is_ps_variable, ps_path)
-        step.clones = clones
-        step.moves_sparse = self.moves_sparse
-        step.stripe_of = self._registry.table_of
-        wrapped = train_step.wrap(optimizer, step)
-        clones.learning_rate_source = wrapped
-        if loss_scale is not None:
-            wrapped = keras_compat.copy_loss_scale_optimizer(loss_scale, wrapped)
-            keras_compat.copy_loss_scale(loss_scale, wrapped)
-        self._clones.append(clones)
-        if not isinstance(source, str):
-            self._optimizers.append((wrapped, weakref.ref(source), step, clones))
-        return wrapped, step, clones
+        """(the optimizer to compile with, its ``Step``, its ``Clones``) for ``optimizer``
+        (``optimizer_steps.OptimizerSteps.make``)."""
+        return self._steps.make(optimizer)
 
     def extra_step(self, optimizer):
-        """The ``Step`` of an optimizer that a model's own ``train_step`` uses besides the compiled one (a GAN's
-        second optimizer): its gradients of replicated variables are averaged over the workers as the compiled
-        optimizer's are, then it applies them itself. Made at the optimizer's first use in a step, one per instance.
-        """
-        step = optimizer.__dict__.get("_kp_extra_step")
-        if step is None:
-            step = train_step.Step(self._options, self.num_workers, self.is_ps_variable, ps_path=None,
-                                   log_architecture=False)
-            optimizer.__dict__["_kp_extra_step"] = step
-        return step
-
-
-def _stripe_where_made(whole, shard, partitions, made_on):
-    """Stripe ``shard`` of the tensor ``whole``, cut on ``made_on`` (the PS device where the chief made ``whole``):
-    only the stripe then crosses to its PS task. Cut under the stripe's own PS device, the whole table crossed to
-    every PS task once per stripe (lm1b_sparse's 410 MB of tables in 8 stripes: 2.9 GB from PS task 0's host before
-    the first step). Named by the cluster, not by ``whole.device``: a value made before this process joined the
-    cluster names the local job it had then ("/job:localhost/...: unknown device" once connected)."""
-    with tf.device(made_on):
-        return striped.stripe_of(whole, shard, partitions)
-
-
-def _whole_value(initial_value, dtype):
-    """A callable returning the table's initial value, evaluated at most once (by the chief only)."""
-    cache = []
-
-    def value():
-        if not cache:
-            cache.append(tf.cast(initial_value() if callable(initial_value) else initial_value, dtype))
-        return cache[0]
-    return value
+        """The ``Step`` of a second optimizer of a model's own ``train_step`` (``OptimizerSteps.extra_step``)."""
+        return self._steps.extra_step(optimizer)

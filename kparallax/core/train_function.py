@@ -13,6 +13,7 @@ import contextlib
 import tensorflow as tf
 
 from kparallax._compat import keras as keras_compat
+from kparallax._compat import optimizers as optimizer_compat
 from kparallax.core import model_state
 from kparallax.core import placement
 from kparallax.step import global_losses
@@ -89,8 +90,8 @@ def _placed(original, model, single, iterator):
         return single
     # The optimizer may hold slots for them already (built by a saver or a loader before the first step). Initial
     # ones (no step taken) are the state the PS-side copies start from; trained ones the move would lose.
-    optimizer = keras_compat.step_optimizer(model)
-    held = [v for v in moving if keras_compat.holds_slots(optimizer, v)]
+    optimizer = optimizer_compat.step_optimizer(model)
+    held = [v for v in moving if optimizer_compat.holds_slots(optimizer, v)]
     steps = int(optimizer.iterations.numpy())
     if held and steps:
         names = [v.name for v in held]
@@ -117,7 +118,7 @@ def train_step_synchronous(original, model, data):
     state = model_state.compiled(model)
     strategy = state.strategy
     # Before this step's update (program order).
-    iterations = keras_compat.step_optimizer(model).iterations.read_value()
+    iterations = optimizer_compat.step_optimizer(model).iterations.read_value()
     share = (global_losses.batch_share(data, strategy.num_workers)
              if state.uneven_batches and strategy.num_workers > 1 else None)
     with (train_step.model_step(strategy, _worker_random_seed(strategy)),

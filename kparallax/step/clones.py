@@ -9,7 +9,7 @@ and callbacks changing it apply to both paths.
 
 import tensorflow as tf
 
-from kparallax._compat import keras as keras_compat
+from kparallax._compat import optimizers as optimizer_compat
 from kparallax._compat import tf as tf_compat
 from kparallax.core import tables
 
@@ -42,18 +42,18 @@ class Clones:
             self._check_row_wise(variable)
             if self.learning_rate_source is not None:
                 with tf.init_scope():  # on the worker, as Keras would create it
-                    keras_compat.create_learning_rate(self.learning_rate_source)
+                    optimizer_compat.create_learning_rate(self.learning_rate_source)
             with tf.init_scope(), tf.device(variable.device), self._shared_slot_scope(variable):
-                clone = keras_compat.clone_optimizer(self._optimizer, clip=self._clip)
+                clone = optimizer_compat.clone_optimizer(self._optimizer, clip=self._clip)
                 if self.learning_rate_source is not None:
-                    keras_compat.share_learning_rate(clone, self.learning_rate_source)
-                keras_compat.build_optimizer(clone, [variable])
+                    optimizer_compat.share_learning_rate(clone, self.learning_rate_source)
+                optimizer_compat.build_optimizer(clone, [variable])
             self._clones[key] = clone
         return self._clones[key]
 
     def _check_row_wise(self, variable):
         """Refuses an optimizer whose update reads across rows for a shard of a partitioned table."""
-        reason = keras_compat.row_coupled_reason(self._optimizer)
+        reason = optimizer_compat.row_coupled_reason(self._optimizer)
         table = self._registry.table_of(variable)
         if reason and table is not None:
             path = table[0].path
@@ -90,17 +90,17 @@ class Clones:
         clones = [self.existing(s) for s in shards]
         if any(c is None for c in clones):
             return None
-        return tables.join_row_state(shards, [keras_compat.optimizer_variables(c) for c in clones])
+        return tables.join_row_state(shards, [optimizer_compat.optimizer_variables(c) for c in clones])
 
     def set_state(self, shards, joined):
         """Inverse of ``state``: splits ``joined`` over the clones of ``shards`` (created if needed)."""
-        tables.split_row_state(shards, [keras_compat.optimizer_variables(self.get(s)) for s in shards], joined)
+        tables.split_row_state(shards, [optimizer_compat.optimizer_variables(self.get(s)) for s in shards], joined)
 
     def move_state(self, old_variables, new_variables):
         """After a re-partitioning: carries the optimizer state of the old shards to the new ones (chief only)."""
         old = [self._clones.pop(v.ref(), None) for v in old_variables]
         if any(o is None for o in old):
             return
-        joined = tables.join_row_state(old_variables, [keras_compat.optimizer_variables(o) for o in old])
+        joined = tables.join_row_state(old_variables, [optimizer_compat.optimizer_variables(o) for o in old])
         self.set_state(new_variables, joined)
         tf_compat.async_wait()

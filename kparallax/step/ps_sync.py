@@ -29,7 +29,7 @@ from typing import List, Optional
 
 import tensorflow as tf
 
-from kparallax._compat import keras as keras_compat
+from kparallax._compat import optimizers as optimizer_compat
 from kparallax.step import clipping as clipping_lib
 from kparallax.step import collectives
 from kparallax.step import local_aggregation
@@ -229,7 +229,7 @@ class SyncPs:
         last = tf.equal(pushes, (done + 1) * self._pushers)
         clone = self._clones.get(variable)
         step, rate = self._step_and_rate(clone, variable)
-        with keras_compat.learning_rate_value(clone, rate):
+        with optimizer_compat.learning_rate_value(clone, rate):
             return tf.cond(last, lambda: apply(clone, step), lambda: tf.identity(pushes))
 
     def _on_ps(self, value, variable):
@@ -267,7 +267,7 @@ class SyncPs:
         The rate lives on the worker. Read inside the update's branch, it would cost every push a message from the
         PS to the worker and back (taken or not), and the update a round trip; read once, it crosses once per step
         and PS task."""
-        rate = keras_compat.shared_learning_rate(clone)
+        rate = optimizer_compat.shared_learning_rate(clone)
         if rate is None:
             return None
         if rate.ref() not in self._rates:

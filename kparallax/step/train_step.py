@@ -26,7 +26,7 @@ import threading
 import tensorflow as tf
 from kparallax import log as logging
 
-from kparallax._compat import keras as keras_compat
+from kparallax._compat import optimizers as optimizer_compat
 from kparallax.step import accumulation
 from kparallax.step import clipping
 from kparallax.step import collectives
@@ -44,7 +44,7 @@ def resolve(optimizer):
             raise ValueError(f"Unknown optimizer {optimizer!r}. Use one of {list(_KNOWN)} or a "
                              f"tf.keras.optimizers instance. Received: optimizer={optimizer!r}.")
         optimizer = tf.keras.optimizers.get(optimizer)
-    keras_compat.optimizer_family(optimizer)  # raises for anything that is not a tf.keras optimizer
+    optimizer_compat.optimizer_family(optimizer)  # raises for anything that is not a tf.keras optimizer
     return optimizer
 
 
@@ -168,16 +168,16 @@ class Step:
     def build(self, optimizer, dense, ps, apply_dense):
         """Builds one step for ``dense`` and ``ps`` (lists of (gradient, variable)); ``apply_dense`` applies the
         averaged dense gradients with the user's optimizer. Returns the op Keras' step waits for."""
-        if self.options.sparse_as_dense and keras_compat.clipping(optimizer):
+        if self.options.sparse_as_dense and optimizer_compat.clipping(optimizer):
             sparse = [v.name for g, v in dense if isinstance(g, tf.IndexedSlices)]
             if sparse:
                 raise ValueError(
                     "sparse_as_dense=True cannot be combined with clipnorm / clipvalue / global_clipnorm: one process "
                     "clips a sparse gradient slice by slice (one per looked-up id), a densified one after the slices "
                     "of each id are summed. Received: sparse_as_dense=True, clipping "
-                    f"{keras_compat.clipping(optimizer)} and sparse gradients of {sparse}. Use sparse_as_dense=False "
+                    f"{optimizer_compat.clipping(optimizer)} and sparse gradients of {sparse}. Use sparse_as_dense=False "
                     "(the default).")
-        overall = keras_compat.global_clipnorm(optimizer)
+        overall = optimizer_compat.global_clipnorm(optimizer)
         if overall and ps and not self.options.sync:
             raise ValueError(
                 "global_clipnorm cannot be combined with sync=False when the model has PS variables: each worker "
@@ -194,7 +194,7 @@ class Step:
         # process's.
         norm = {}
         if overall and ps:  # clipped by value first where Keras does (legacy optimizers)
-            bounds = [bound for kind, bound in keras_compat.clipping(optimizer) if kind == "value"]
+            bounds = [bound for kind, bound in optimizer_compat.clipping(optimizer) if kind == "value"]
             averaged = [(clipping.by_value(g, bounds), v) for g, v in averaged or []] or None
             norm = {"replicated_sum_of_squares": clipping.sum_of_squares([g for g, _ in averaged or []])}
         ps_step = self.ps_path.build(ps, **norm) if ps else None
@@ -204,7 +204,7 @@ class Step:
         if averaged is not None:
             if ps_step is not None and ps_step.factor is not None:
                 averaged = [(clipping.scaled(g, ps_step.factor), v) for g, v in averaged]
-                with keras_compat.global_clipnorm_unset(optimizer):
+                with optimizer_compat.global_clipnorm_unset(optimizer):
                     applied = apply_dense(averaged)
             else:
                 applied = apply_dense(averaged)
@@ -246,8 +246,8 @@ def route(optimizer, step, grads_and_vars, apply_dense):
             f"tf.config.run_functions_eagerly(True)) with {len(on_ps)} PS variable(s), e.g. {on_ps[0].name!r}. "
             "Leave run_eagerly unset or False; to step through the model's Python, run it in one process without "
             "the strategy.")
-    if on_ps and keras_compat.unclonable_reason(optimizer):
-        raise ValueError(f"{keras_compat.unclonable_reason(optimizer)} Received: {type(optimizer).__name__} with "
+    if on_ps and optimizer_compat.unclonable_reason(optimizer):
+        raise ValueError(f"{optimizer_compat.unclonable_reason(optimizer)} Received: {type(optimizer).__name__} with "
                          f"{len(on_ps)} PS variable(s), e.g. {on_ps[0].name!r}.")
     dense, ps = step.split(global_losses.weighted(grads_and_vars, global_losses.gradient_share()))
 
@@ -312,8 +312,8 @@ def wrap(optimizer, step):
     """
     base = type(optimizer)
     cls = type(base.__name__, (_RoutingMixin, base), {"__module__": base.__module__})
-    wrapped = keras_compat.copy_optimizer(optimizer, cls)
-    keras_compat.mark_owned(wrapped)
+    wrapped = optimizer_compat.copy_optimizer(optimizer, cls)
+    optimizer_compat.mark_owned(wrapped)
     wrapped._kp_step = step  # pylint: disable=protected-access
     return wrapped
 
