@@ -120,11 +120,11 @@ def test_a_stripe_of_a_tables_initial_value_is_cut_where_the_value_was_made():
         "import tensorflow as tf",
         "cpu = tf.config.list_physical_devices('CPU')[0]",
         "tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)",
-        "from kparallax.core import strategy",
+        "from kparallax.core import tables",
         "with tf.device('/device:CPU:0'):",
         "    whole = tf.reshape(tf.range(12.0), [6, 2])",
         "with tf.device('/device:CPU:1'):",
-        "    part = strategy._stripe_where_made(whole, 1, 3, '/device:CPU:0')",
+        "    part = tables.stripe_where_made(whole, 1, 3, '/device:CPU:0')",
         "assert part.device.endswith('CPU:0'), part.device",
         "assert part.numpy().tolist() == [[2.0, 3.0], [8.0, 9.0]], part.numpy()",
         "print('cut on', part.device)"])
