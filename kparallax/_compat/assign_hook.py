@@ -1,9 +1,8 @@
 """``assign``, ``assign_add``, ``assign_sub`` and the ``scatter_*`` writes of TensorFlow's resource variables
 (TF 2.15: methods of ``resource_variable_ops.BaseResourceVariable`` and of its subclass ``ResourceVariable``, the
 class of Keras' ``add_weight`` variables and of ``tf.Variable``), hooked once, process-wide, so that a step being
-traced can change the value an assignment uses (``combining``: the three ``assign`` methods), so that a scatter
-write can be checked while a step is traced (``checking_scatters``), and so that a write can be checked, refused or
-left out, or followed by the guard's own action (``guarded``: every write method).
+traced can change the value an assignment uses (``combining``: the three ``assign`` methods), and so that a write
+can be checked, refused or left out, or followed by the guard's own action (``guarded``: every write method).
 
 Outside ``combining`` and ``guarded`` (and for the variables their functions leave alone) every write is
 TensorFlow's own; the hook costs a thread-local lookup and a global read per call. Writes made by ops alone
@@ -51,8 +50,6 @@ def _hooked_scatter(method, original):
         verdict = _verdict(self, method)
         if not verdict:
             return _skipped(self, kwargs)
-        for check in getattr(_ACTIVE, "scatter_checks", ()):
-            check(self, method)
         return _made(verdict, original(self, *args, **kwargs))
 
     scatter.__name__, scatter.__doc__ = original.__name__, original.__doc__
@@ -104,19 +101,6 @@ def combining(combine):
         yield
     finally:
         _ACTIVE.combine = outer
-
-
-@contextlib.contextmanager
-def checking_scatters(check):
-    """While active (in this thread): every ``scatter_*`` write of a resource variable first calls
-    ``check(variable, method)``, which raises to refuse it. Nested, every active ``check`` is called."""
-    _install()
-    outer = getattr(_ACTIVE, "scatter_checks", ())
-    _ACTIVE.scatter_checks = outer + (check,)
-    try:
-        yield
-    finally:
-        _ACTIVE.scatter_checks = outer
 
 
 def guarded(guard):

@@ -199,12 +199,6 @@ def single_step_train_function(model, make_train_function):
         variable.assign(saved)
 
 
-def minimum_control_deps(outputs):
-    """Keras' own choice of what ``_train_counter`` waits for after a step (private ``_minimum_control_deps``)."""
-    keras_training = internal("engine.training")
-    return keras_training._minimum_control_deps(outputs)  # pylint: disable=protected-access
-
-
 def reset_traced_functions(model):
     """Makes ``model`` trace its train, test and predict functions again at their next use (after one of its
     variables moved to a PS task: the functions traced before hold the old variable's handle)."""

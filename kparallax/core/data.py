@@ -6,8 +6,7 @@ the ``i``-th contiguous part of each run of ``N*B`` rows (``dataset_split.part_b
 step ``k`` then trains on exactly the rows ``[k*N*B, (k+1)*N*B)`` of the original arrays, the workers' batches
 (worker 0's first) in one process's order: the global batch a single process would see with ``batch_size=N*B``, the
 partial last one included (the workers' last batches then differ by at most a row), unless it has fewer rows than
-workers. (Before, worker ``i`` kept rows ``i, i+N, ...``: the same rows in another order, so rows joined by their
-order, pairs laid out row after row and reshaped into one entry, were other pairs than one process's.)
+workers.
 
 A ``tf.data.Dataset`` (already batched, as Keras expects) is split by whole batches: worker ``i`` keeps batches
 ``i, i+N, ...`` (``Dataset.shard``). When the batch count is not a multiple of ``N``, the rows of the last

@@ -38,8 +38,7 @@ def saved_whole_uncompiled(original):
     """``Model.save`` / ``save_weights`` / ``export`` / ``load_weights`` of a model holding PS variables that was
     not compiled under a strategy (compiled models have their own bound methods): the tower of a two-tower model,
     a model built from trained layers to serve. They act as a compiled model's do (``saving``): partitioned tables
-    written and read whole, files written by worker 0 only. Before, such a file held a table's stripes as separate
-    weights, which a plain process refused to load (a SavedModel was refused)."""
+    written and read whole, files written by worker 0 only."""
     loads = original.__name__ == "load_weights"
 
     @functools.wraps(original)

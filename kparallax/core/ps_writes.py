@@ -7,11 +7,9 @@ worker's process reads and writes, and every worker runs the same code, so a wri
 
   * In the training step (Keras' ``train_step``, the user's, a layer's ``call``) it is refused when the step is
     traced, before any weight changes: every worker's step would write the one copy, and the optimizer's update of
-    it is applied by the step's last push, not where ``apply_gradients`` stands in the step (before: a decay
-    written as ``assign_sub`` ended 0.14 off one process after 2 epochs, a clip by value 0.018, silently).
+    it is applied by the step's last push, not where ``apply_gradients`` stands in the step.
   * Between steps (a callback, eager code, a ``tf.function`` of the user's) worker 0 alone makes it; the other
-    workers' writes are left out (before: a callback halving a table at each epoch's end halved it once per
-    worker, 0.059 off). Each worker's next step must read what worker 0 wrote, so in ``fit`` the workers meet
+    workers' writes are left out. Each worker's next step must read what worker 0 wrote, so in ``fit`` the workers meet
     (``fit_callbacks.SameStop``) after every callback hook whose code may write (it names ``assign``,
     ``scatter``, ``set_weights`` or ``load_weights``, or cannot be read) and after each epoch; a write from
     anywhere else in ``fit`` (a callback hook that does not name one, the data pipeline) is refused, naming the

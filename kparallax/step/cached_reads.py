@@ -44,7 +44,7 @@ def gather_policy(variable, ids, gather):
         return gather(ids)
     ids = tf.convert_to_tensor(ids)
     if ids.shape.rank is None or not ids.shape[1:].is_fully_defined() or not variable.shape[1:].is_fully_defined():
-        return gather(ids)  # (``row_axes`` follows the batch's rows through the repeat by these static sizes)
+        return gather(ids)
     with tf_compat.not_recording():
         with tf_compat.uncolocated():  # on the worker, not with the table (``tf.nn.embedding_lookup`` colocates)
             # int64: the dtype the push sends its ids in (``local_aggregation.dedup``), so both send one tensor

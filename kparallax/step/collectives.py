@@ -230,12 +230,6 @@ _LOCAL_COUNTER = _LocalCounter()
 _KEEP_ALIVE = hvd_compat.KeepAlive()
 
 
-def prepare_allgather():
-    """Makes what ``allgather`` creates at its first call, so that a first call inside a layer's call creates no
-    variable there."""
-    _LOCAL_COUNTER.make()
-
-
 def keep_alive(tensors):
     """A stateful op reading one element of each tensor, so that collectives whose outputs the step does not use
     still run on every worker (see ``_compat.horovod``)."""
@@ -249,15 +243,6 @@ def allgather_ints(values, name):
     if hvd.size() == 1:
         return [list(values)]
     return [list(map(int, row)) for row in hvd.allgather(local, name=name).numpy()]
-
-
-def allgather_text(text, name, width=256):
-    """Every worker's short string (UTF-8, at most ``width`` bytes), sent as a fixed-width byte tensor."""
-    data = text.encode("utf-8")
-    if len(data) > width:
-        raise ValueError(f"{name}: {text!r} is longer than {width} bytes. Received: {len(data)} bytes.")
-    rows = allgather_ints([len(data)] + list(data) + [0] * (width - len(data)), name)
-    return [bytes(row[1:1 + row[0]]).decode("utf-8") for row in rows]
 
 
 def any_worker(flag, num_workers, name):

@@ -5,15 +5,13 @@ the metric asks otherwise: ``Mean`` a total and a count (so every ``MeanMetricWr
 user's metric function), ``AUC`` and the confusion-matrix metrics (precision, recall, F1, IoU, ...) counts,
 ``R2Score`` sums, and a user's ``Metric`` subclass whatever it adds up (an F1 from its own true and false positive
 counts). Summed over the workers, those states are the states one process would hold after the same global
-batches (when the step adds to them; one it sets instead is refused, ``metric_states.py``), so a result computed
-from the sums is one process's result, whatever its shape (``F1Score``'s array
-per class). An average of the workers' results is not, for any ratio (seen: a logged AUC 0.02 off one process, a
-user's F1 metric 0.0012 off) nor for a count (half of it on 2 workers). That is also what TensorFlow's
+batches (when the step adds to them), so a result computed from the sums is one process's result, whatever its
+shape (``F1Score``'s array per class). An average of the workers' results is not, for any ratio nor for a count. That is also what TensorFlow's
 distribution strategies do: a metric's result is computed from its states aggregated over the replicas, each by its
 variable's aggregation (``SUM``; ``MEAN``: their mean; ``ONLY_FIRST_REPLICA``: worker 0's). A metric with a state
-of aggregation ``NONE`` (a ``tf.Variable`` made directly) says nothing of how its states combine: a write of one in
-a training step of several workers is refused (``metric_states.py``); such a metric the step leaves alone, and any
-other float scalar in the logs (a custom ``train_step``'s), keeps the average of the workers' values.
+of aggregation ``NONE`` (a ``tf.Variable`` made directly) says nothing of how its states combine: such a metric,
+and any other float scalar in the logs (a custom ``train_step``'s), keeps the average of the workers' values. A state
+a step sets instead of adding to is summed all the same (as ``tf.distribute`` sums it): by contract.
 
 ``over_workers`` sends the states and the other values in ONE allreduce, ``collectives.sum_checked``, which also
 checks that every worker's optimizer is at the same step. In a step it depends on the forward pass only, so Horovod

@@ -2,10 +2,9 @@
 
 Usage: worker_behaviour.py MODE (fail_rank1 | same_index | ok | compile_outside | custom_loop | skew_steps |
                                skew_steps_async | virtual_batch | batch_norm_global | batch_norm_per_worker |
-                               dropout_masks | several_models | clip_refused | clip_accumulated | shuffle_seeds |
-                               bad_id_rank1 | made_before | built_by_first_call | unaggregated_state | manual_update |
-                               async_two_optimizers | chief_only_model | chief_only_model_placed |
-                               some_stripes_clipped | stripes_clipped_each | ps_write_unseen | metric_set_state)
+                               dropout_masks | several_models | shuffle_seeds | bad_id_rank1 | made_before |
+                               built_by_first_call | unaggregated_state | manual_update | async_two_optimizers |
+                               chief_only_model | chief_only_model_placed | ps_write_unseen)
 """
 
 import os
@@ -26,9 +25,7 @@ import kparallax as kp
 
 try:
     strategy = kp.HybridStrategy(kp.Cluster.from_env(), sync=mode not in ("skew_steps_async", "async_two_optimizers"),
-                                 backward_passes_per_step=2 if mode == "clip_accumulated" else 1,
-                                 partitions=3 if mode in ("bad_id_rank1", "chief_only_model_placed",
-                                                          "some_stripes_clipped", "stripes_clipped_each") else 1)
+                                 partitions=3 if mode in ("bad_id_rank1", "chief_only_model_placed") else 1)
 except (ValueError, ConnectionError) as e:
     print(f"kparallax error: {e}", file=sys.stderr, flush=True)
     sys.exit(2)
@@ -151,7 +148,8 @@ if mode == "virtual_batch":
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     with strategy.scope():
         model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(2),
-                                     tf.keras.layers.BatchNormalization(virtual_batch_size=2, name="vbn")])
+                                     tf.keras.layers.BatchNormalization(virtual_batch_size=2, synchronized=True,
+                                                                        name="vbn")])
         try:
             model.compile(optimizer="sgd", loss="mse")
             model.fit(np.zeros((16, 3)), np.zeros((16, 2)), batch_size=4, verbose=0)
@@ -248,81 +246,6 @@ if mode == "manual_update":
             print(f"refused: {e}", flush=True)
         else:
             sys.exit("weights updated by hand from each worker's gradient trained silently")
-if mode == "metric_set_state":
-    # Metrics of the user's whose logged result would be no value one process holds, each refused: the largest
-    # target seen in the epoch, tf.maximum(state, max(y)), in a state of add_weight's default aggregation (SUM),
-    # logged from the workers' states summed, 6 + 7 = 13 where one process holds 7 (worker 0's rows 0, 2, 4, 6;
-    # worker 1's 1, 3, 5, 7); the classes seen (target // 4) marked 1 by scatter_update: summed, 4 where one process
-    # holds 2 (each worker sees both classes); a row count in a tf.Variable (aggregation NONE): averaged, 4 where
-    # one process counts 8. Then the fixes the refusals give: the maximum of kp.all_gather's rows, taken from worker
-    # 0 (ONLY_FIRST_REPLICA), and the row count's tf.Variable given aggregation=SUM: one process's 7 and 8.
-    import numpy as np  # pylint: disable=import-outside-toplevel
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
-
-    class LargestTarget(tf.keras.metrics.Metric):
-        def __init__(self, gathered=False, **kwargs):
-            super().__init__(name="largest_target", **kwargs)
-            self.gathered = gathered
-            self.largest = self.add_weight("largest", initializer="zeros", aggregation=(
-                tf.VariableAggregation.ONLY_FIRST_REPLICA if gathered else tf.VariableAggregation.SUM))
-
-        def update_state(self, y_true, y_pred, sample_weight=None):
-            rows = kp.all_gather(y_true) if self.gathered else y_true
-            self.largest.assign(tf.maximum(self.largest, tf.reduce_max(rows)))
-
-        def result(self):
-            return self.largest
-
-    class ClassesSeen(tf.keras.metrics.Metric):
-        def __init__(self, **kwargs):
-            super().__init__(name="classes_seen", **kwargs)
-            self.seen = self.add_weight("seen", shape=(2,), initializer="zeros")
-
-        def update_state(self, y_true, y_pred, sample_weight=None):
-            classes = tf.cast(tf.reshape(y_true, [-1]) // 4.0, tf.int32)
-            self.seen.scatter_update(tf.IndexedSlices(tf.ones_like(y_true[:, 0]), classes))
-
-        def result(self):
-            return tf.reduce_sum(self.seen)
-
-        def reset_state(self):
-            self.seen.assign(tf.zeros(2))
-
-    class RowCount(tf.keras.metrics.Metric):
-        def __init__(self, **aggregation):
-            super().__init__(name="row_count")
-            self.count = tf.Variable(0.0, trainable=False, name="count", **aggregation)
-
-        def update_state(self, y_true, y_pred, sample_weight=None):
-            self.count.assign_add(tf.cast(tf.shape(y_true)[0], tf.float32))
-
-        def result(self):
-            return self.count
-
-        def reset_state(self):
-            self.count.assign(0.0)
-
-    x, y = np.ones((8, 1), np.float32), np.arange(8, dtype=np.float32)[:, None]
-    cases = [("largest_target", False, lambda: LargestTarget()), ("classes_seen", False, ClassesSeen),
-             ("row_count", False, RowCount), ("largest_target", True, lambda: LargestTarget(gathered=True)),
-             ("row_count", True, lambda: RowCount(aggregation=tf.VariableAggregation.SUM))]
-    for name, fixed, make in cases:
-        with strategy.scope():
-            model = tf.keras.Sequential([tf.keras.Input((1,)), tf.keras.layers.Dense(1, name="out",
-                                                                                      kernel_initializer="ones")])
-            model.compile(optimizer="sgd", loss="mse", metrics=[make()])
-            before = model.get_weights()
-            try:
-                history = model.fit(x, y, batch_size=2, shuffle=False, verbose=0)
-            except ValueError as e:
-                unchanged = all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
-                print(f"refused (weights unchanged: {unchanged}): {e}", flush=True)
-                if fixed:
-                    sys.exit(f"the fixed {name} was refused")
-            else:
-                if not fixed:
-                    sys.exit(f"{name}, no value one process holds, was logged silently: {history.history[name]}")
-                print(f"fixed: logged {name} {history.history[name]}", flush=True)
 if mode == "ps_write_unseen":
     # A callback shrinking the table after every batch through a function of the user's defined elsewhere: its hook's
     # code names no write, so fit's workers do not meet after it, and worker 1's next step could read the table
@@ -430,17 +353,6 @@ if mode in ("chief_only_model", "chief_only_model_placed"):
         model.compile(optimizer="sgd", loss="mse")
         model.fit(np.ones((16, 4), np.int32), np.zeros((16, 1)), batch_size=4, verbose=0)
     sys.exit("models holding different PS variables trained")
-if mode in ("some_stripes_clipped", "stripes_clipped_each"):
-    # Keras programs written for a table that is one variable, with the table in 3 stripes: grads[:1] taken as "the
-    # table's" and the rest clipped by their global norm (the norm holds 2 stripes); each gradient clipped by its own
-    # norm (each stripe by the stripe's)
-    import keras_programs  # pylint: disable=import-outside-toplevel  (this directory)
-
-    keras_programs.pair_weights_per_table(strategy.registry.table_of)  # its _init pairs get_weights() per table
-    program = (keras_programs.clipped_two_optimizers if mode == "some_stripes_clipped" else
-               keras_programs.clipped_each)
-    program(strategy.scope, 8)
-    sys.exit("a clip of a table's stripes apart trained")
 if mode == "several_models":
     # a script training eight models one after another, each from Keras' random initialization (different on every
     # worker): each fit starts from worker 0's weights; prints each model's weights' sum after its fit
@@ -477,51 +389,3 @@ if mode == "built_by_first_call":
                          (Pooled(), np.arange(16, dtype=np.int32).reshape(8, 2))):
             model.compile(optimizer="sgd", loss="mse")
             model.fit(x, np.ones((8, 1), np.float32), batch_size=2, epochs=1)
-if mode in ("clip_refused", "clip_accumulated"):
-    # custom train_steps transforming their gradients in ways kparallax cannot make one process's: clipping a PS
-    # table's gradient by a global norm next to the optimizer's clipnorm, scaling by the worker's own loss, clipping
-    # under accumulation
-    import numpy as np  # pylint: disable=import-outside-toplevel
-    import tensorflow as tf  # pylint: disable=import-outside-toplevel
-
-    class Transformed(tf.keras.Model):
-        def __init__(self, transform):
-            super().__init__()
-            self.table = tf.keras.layers.Embedding(10, 2, name="table")
-            self.out = tf.keras.layers.Dense(1, name="out")
-            self.transform = transform
-
-        def call(self, ids):
-            return self.out(tf.reduce_mean(self.table(ids), axis=1))
-
-        def train_step(self, data):
-            x, y = data
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(tf.square(self(x) - y))
-            grads = self.transform(tape.gradient(loss, self.trainable_variables), loss)
-            self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
-            return {"loss": loss}
-
-    def dense_only(grads, clip):
-        return grads[:1] + clip(grads[1:])
-
-    cases = {"clip_refused": {
-        "global norm over all, clipnorm": (lambda grads, loss: tf.clip_by_global_norm(grads, 0.1)[0],
-                                           tf.keras.optimizers.SGD(0.1, clipnorm=1.0)),
-        "scaled by the loss": (lambda grads, loss: dense_only(grads, lambda gs: [g / (loss + 1.0) for g in gs]),
-                               "sgd"),
-    }, "clip_accumulated": {
-        "clipped, accumulated": (lambda grads, loss: dense_only(grads, lambda gs: tf.clip_by_global_norm(gs, 0.1)[0]),
-                                 "sgd"),
-    }}[mode]
-    for case, (transform, optimizer) in cases.items():
-        with strategy.scope():
-            model = Transformed(transform)
-            model(np.zeros((1, 3), np.int32))
-            model.compile(optimizer=optimizer)
-        try:
-            model.fit(np.ones((8, 3), np.int32), np.ones((8, 1), np.float32), batch_size=2, verbose=0)
-        except ValueError as e:
-            print(f"{case} refused: {e}", flush=True)
-        else:
-            sys.exit(f"{case}: trained silently")
