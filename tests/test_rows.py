@@ -60,6 +60,14 @@ def test_the_batch_s_rows_scored_against_each_other_are_found(rows_static):
 
 def test_products_that_do_not_score_the_batch_against_itself_are_not_found():
     assert not _found(lambda q, d, k: q @ k)  # a Dense layer: [rows, 3]
+    assert not _found(lambda q, d, k: tf.matmul(q, k, transpose_b=True) @ k)  # rows times weights only
+
+    def backprop(q, d, k):  # a Dense layer's backward pass (operands of unknown rows, under the tape's scope)
+        with tf.GradientTape() as tape:
+            tape.watch(k)
+            loss = tf.reduce_sum(q @ k)
+        return tape.gradient(loss, k)
+    assert not _found(backprop)
     assert not _found(lambda q, d, k: tf.matmul(q, d, transpose_a=True))  # a Gram matrix: [3, 3]
     # Candidates gathered over the workers (kp.all_gather's output, marked in the traced step's graph).
     assert not _found(lambda q, d, k: tf.matmul(q, tf.transpose(rows._gathered(tf.identity(d)) @ k)))

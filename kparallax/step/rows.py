@@ -141,16 +141,25 @@ def _gathered(tensor):
 
 def rows_meeting(graph, batch_rows):
     """The names of the matrix products in ``graph`` (a traced training step) that multiply the batch's rows with
-    themselves: a ``[rows, rows]`` result (``rows``: ``batch_rows``, the batch's static row count, or None for an
-    unknown one) neither of whose operands comes from ``all_gather``. A cheap look at static shapes: it sees the
-    usual in-batch softmax (``q @ d^T``), not every way rows can meet."""
+    themselves: in the forward pass, two operands of ``batch_rows`` rows (the batch's static row count, or None for
+    an unknown one) contracted over a known, common width into ``[rows, rows]``, neither operand from
+    ``all_gather``. A cheap look at static shapes: it sees the usual in-batch softmax (``q @ d^T``), not every way
+    rows can meet."""
+    if batch_rows is not None and batch_rows < 2:
+        return []
     gathered = {t.name for t in graph.get_collection(_GATHERED)}
     found = []
     for op in graph.get_operations():
-        if op.type not in _PRODUCTS or len(op.outputs) != 1 or op.outputs[0].shape.rank != 2:
+        if op.type not in _PRODUCTS or "gradient_tape/" in op.name or op.name.startswith("gradients"):
             continue
-        rows, columns = op.outputs[0].shape.as_list()
-        if rows != batch_rows or columns != batch_rows or (batch_rows is not None and batch_rows < 2):
+        a, b = (t.shape for t in op.inputs[:2])
+        if a.rank != 2 or b.rank != 2:
+            continue
+        flip_a = bool(op.get_attr("transpose_a" if op.type == "MatMul" else "adj_x"))
+        flip_b = bool(op.get_attr("transpose_b" if op.type == "MatMul" else "adj_y"))
+        rows_a, width_a = (a[1], a[0]) if flip_a else (a[0], a[1])
+        width_b, rows_b = (b[1], b[0]) if flip_b else (b[0], b[1])
+        if rows_a != batch_rows or rows_b != batch_rows or width_a is None or width_a != width_b:
             continue
         if not any(_comes_from(t, gathered) for t in op.inputs):
             found.append(op.name)
