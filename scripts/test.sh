@@ -16,10 +16,16 @@ fi
 # --durations: the slowest tests, to compare with the timeouts they run under (a slower machine must not reach them).
 # Both tiers run whatever the first gives; exit status 5 (no test selected, e.g. a file of one tier) is not a failure.
 status=0
+start=$SECONDS
 .venv/bin/python -m pytest -v -rs --durations=20 "${FAST[@]}" "$@" || status=$?
 [[ $status -eq 5 ]] && status=0
+fast_time=$((SECONDS - start))
 second=0
+start=$SECONDS
 .venv/bin/python -m pytest -v -rs --durations=30 -m multiprocess "$@" || second=$?
 [[ $second -eq 5 ]] && second=0
+multi_time=$((SECONDS - start))
+printf 'test.sh: one-process tier %dm%02ds (exit %d), multi-process tier %dm%02ds (exit %d)\n' \
+  $((fast_time / 60)) $((fast_time % 60)) "$status" $((multi_time / 60)) $((multi_time % 60)) "$second"
 if [[ $status -eq 0 ]]; then status=$second; fi
 exit $status
