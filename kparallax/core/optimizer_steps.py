@@ -59,7 +59,6 @@ class OptimizerSteps:
         step = train_step.Step(self._strategy.options, self._strategy.num_workers, self._strategy.is_ps_variable, ps_path)
         step.clones = clones
         step.moves_sparse = self._strategy.moves_sparse
-        step.stripe_of = self._strategy.registry.table_of
         wrapped = train_step.wrap(optimizer, step)
         clones.learning_rate_source = wrapped
         if loss_scale is not None:

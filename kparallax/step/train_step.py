@@ -106,7 +106,6 @@ class Step:
         self.num_workers = num_workers
         self.is_ps_variable = is_ps_variable
         self.ps_path = ps_path
-        self.stripe_of = None  # callable(variable) -> (table, stripe index) of a partitioned table's stripe, or None
         self.clones = None  # the model's ``Clones`` (set by the strategy)
         self.accumulator = (accumulation.GradientAccumulator(options.backward_passes_per_step)
                             if options.backward_passes_per_step > 1 else None)
